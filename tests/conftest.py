@@ -11,6 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from entmtp.heads import HydraHeads, MedusaHeads
 
 VOCAB = 48
+ALL_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)  # the tiny model's ops are microseconds: thread hand-offs would dominate
 
 
 def tiny_llama(seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> LlamaForCausalLM:

@@ -1,0 +1,412 @@
+"""Self-distillation of draft heads on CPU; the base model stays frozen.
+
+Corpus. For a prompt (in the chat template) and an answer, keep only the base model's final
+normed hidden states and the answer's tokens: `hidden[j]` (H,) is the state that predicts
+`tokens[j]`, so `hidden[0]` sits on the prompt's last token. An answer is either the base model's
+own greedy continuation ("self": batched, left-padded; it is what the heads see at inference)
+or a reference answer read teacher-forced ("ref": cheaper per token, off-distribution paths).
+
+Targets. The base model's distribution for `tokens[j]` is `softmax(lm_head(hidden[j]))`, so no
+logits are stored. At an anchor t, head i reads `hidden[t]` (Hydra also E(tokens[t..t+i])) and
+learns `softmax(lm_head(hidden[t+1+i]))` (soft cross-entropy, as Hydra++), or its argmax. Student
+and teacher logits are both restricted to a draft vocabulary (the K most frequent answer tokens),
+which is saved with the heads: the engine drafts only from it.
+
+Everything checkpoints under a work folder: one corpus shard per generation batch, and the
+trainer's state every `checkpoint_every` steps; a rerun resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import data
+from .config import TrainConfig
+from .heads import DraftHeads, HydraHeads, MedusaHeads
+
+Encode = Callable[[str], list[int]]
+SOURCES = ("self", "ref")
+
+
+class TrainError(ValueError):
+    """A training request that cannot run (bad config, corpus or checkpoint); the message names it."""
+
+
+# --- corpus --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    """Answers with the base model's hidden states: `hidden[j]` predicts `tokens[j]`."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)  # (n, H) float32 each
+    tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) long each
+    prompts: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+    def extend(self, other: "Corpus") -> None:
+        for name in ("hidden", "tokens", "prompts", "tasks", "sources"):
+            getattr(self, name).extend(getattr(other, name))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """{"<task>/<source>": {"answers": n, "tokens": n}} for the provenance."""
+        out: dict[str, dict[str, int]] = {}
+        for task, src, tok in zip(self.tasks, self.sources, self.tokens):
+            row = out.setdefault(f"{task}/{src}", {"answers": 0, "tokens": 0})
+            row["answers"] += 1
+            row["tokens"] += len(tok)
+        return dict(sorted(out.items()))
+
+
+def _base(model):
+    return model.base_model
+
+
+def _lm_head(model):
+    return model.get_output_embeddings()
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy answers for a batch of prompts (left-padded). -> per prompt (hidden (n,H), tokens (n,))."""
+    from transformers import DynamicCache
+
+    device = _lm_head(model).weight.device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p)
+        mask[b, L - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = _base(model)(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    h = out.last_hidden_state[:, -1]  # (B, H)
+    hs, toks = [], []
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long)
+    nxt_pos = pos[:, -1:] + 1
+    for step in range(max_new_tokens):
+        nxt = _lm_head(model)(h).argmax(-1)  # (B,)
+        hs.append(h.float().cpu())
+        toks.append(nxt.cpu())
+        hit = torch.zeros_like(done)
+        for e in eos:
+            hit |= nxt == e
+        for b in (hit & ~done).nonzero().flatten().tolist():
+            lengths[b] = step + 1  # the EOS is kept: the heads learn to draft it
+        done |= hit
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
+        out = _base(model)(
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, past_key_values=cache, use_cache=True
+        )
+        nxt_pos = nxt_pos + 1
+        h = out.last_hidden_state[:, -1]
+    H, T = torch.stack(hs, 1), torch.stack(toks, 1)  # (B, n, H), (B, n)
+    return [(H[b, : lengths[b]].contiguous(), T[b, : lengths[b]].contiguous()) for b in range(B)]
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states along a given answer. -> (hidden (n,H), tokens (n,)); hidden[0] is the prompt's last."""
+    device = _lm_head(model).weight.device
+    ids = torch.tensor([prompt + answer], device=device)
+    h = _base(model)(input_ids=ids).last_hidden_state[0]  # (P+n, H)
+    n = len(answer)
+    return h[len(prompt) - 1 : len(prompt) - 1 + n].float().cpu().contiguous(), torch.tensor(answer)
+
+
+def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
+    """(task, source, number of prompts) to build for `split` ("train", or "calib" held out)."""
+    if split == "calib":
+        return [(t, "self", cfg.heldout_prompts) for t in data.TASKS]
+    return [(t, "self", n) for t, n in cfg.self_prompts] + [(t, "ref", n) for t, n in cfg.ref_prompts]
+
+
+def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple[str, str]]:
+    """The first `n` (prompt, reference) of a split whose prompt fits `max_prompt` tokens."""
+    if split == "eval":
+        raise TrainError("training and held-out corpora never read the eval split")
+    rows = data.pairs(task, split) if source == "ref" else [(p, "") for p in data.prompts(task, split)]
+    out = []
+    for p, r in rows:
+        if len(out) >= n:
+            break
+        if len(encode(p)) <= max_prompt:
+            out.append((p, r))
+    return out
+
+
+def build_corpus(
+    model,
+    encode: Encode,
+    encode_answer: Encode,
+    eos: set[int],
+    pad: int,
+    cfg: TrainConfig,
+    work: Path,
+    split: str = "train",
+    progress: bool = True,
+) -> Corpus:
+    """Build (or resume) the corpus of `split` under `work/corpus/<split>/`, one shard per batch."""
+    folder = work / "corpus" / split
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = Corpus()
+    for task, source, n in corpus_plan(cfg, split):
+        rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
+        if source == "self":  # similar lengths in a batch: less padding
+            rows = sorted(rows, key=lambda r: len(encode(r[0])))
+        size = cfg.gen_batch if source == "self" else cfg.ref_batch
+        batches = [rows[i : i + size] for i in range(0, len(rows), size)]
+        bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)
+        for k, batch in enumerate(bar):
+            shard = folder / f"{task}-{source}-{k:04d}.pt"
+            if shard.exists():
+                part = torch.load(shard, weights_only=True)
+                if part["prompts"] != [p for p, _ in batch]:
+                    raise TrainError(f"{shard} was built from other prompts; use a fresh work folder")
+            else:
+                if source == "self":
+                    pairs = generate_batch(model, [encode(p) for p, _ in batch], cfg.answer_tokens, eos, pad)
+                else:
+                    pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
+                part = {"prompts": [p for p, _ in batch], "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
+                _atomic_save(part, shard)
+            keep = [i for i, t in enumerate(part["tokens"]) if len(t) >= 2]
+            corpus.extend(
+                Corpus(
+                    [part["hidden"][i] for i in keep],
+                    [part["tokens"][i] for i in keep],
+                    [part["prompts"][i] for i in keep],
+                    [task] * len(keep),
+                    [source] * len(keep),
+                )
+            )
+            bar.set_postfix(tokens=corpus.n_tokens())
+    return corpus
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# --- draft vocabulary ----------------------------------------------------------------------------
+
+
+def draft_vocab(corpus: Corpus, k: int, vocab_size: int) -> torch.Tensor:
+    """The `k` most frequent answer tokens (ties: smaller id), sorted by id. -> (K,) long."""
+    counts = Counter()
+    for t in corpus.tokens:
+        counts.update(t.tolist())
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+    ids = [t for t, _ in ranked]
+    if len(ids) < k:  # a small corpus: fill with the lowest unused ids (bytes, specials)
+        seen = set(ids)
+        ids += [t for t in range(vocab_size) if t not in seen][: k - len(ids)]
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Flat:
+    """The corpus as flat tensors plus the anchors usable by head 0."""
+
+    hidden: torch.Tensor  # (N, H)
+    tokens: torch.Tensor  # (N,)
+    remaining: torch.Tensor  # (N,) positions left in the same answer after this one
+    anchors: torch.Tensor  # (A,) flat positions t with t+1 inside the same answer
+
+    @classmethod
+    def of(cls, corpus: Corpus) -> "Flat":
+        if not len(corpus):
+            raise TrainError("the corpus is empty")
+        hidden = torch.cat(corpus.hidden).float()
+        tokens = torch.cat(corpus.tokens).long()
+        remaining = torch.cat([torch.arange(len(t) - 1, -1, -1) for t in corpus.tokens])
+        return cls(hidden, tokens, remaining, (remaining >= 1).nonzero().flatten())
+
+
+def new_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
+    mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if kind == "hydra":
+        heads: DraftHeads = HydraHeads(
+            mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, cfg.arch, True, True, mcfg
+        )
+    elif kind == "medusa":
+        heads = MedusaHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, True)
+    else:
+        raise TrainError(f"unknown heads kind {kind!r} (expected hydra or medusa)")
+    if kind == "hydra" and cfg.arch == "prefix-mlp":
+        raise TrainError("prefix-mlp training is not implemented: its decoder layer needs whole sequences")
+    return heads
+
+
+def _features(heads: DraftHeads, flat: Flat, t: torch.Tensor) -> torch.Tensor:
+    return flat.hidden[t]  # (B, H): h_t at the anchors
+
+
+def head_losses(
+    heads: DraftHeads, flat: Flat, t: torch.Tensor, teacher_lm: torch.Tensor, soft: bool, temperature: float = 1.0
+) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Loss over all heads at anchors `t` (B,), and per-head loss and top-1 agreement with the teacher.
+
+    teacher_lm: (K, H) LM-head rows of the draft vocabulary.
+    """
+    feature = _features(heads, flat, t)
+    total, losses, accs = feature.new_zeros(()), [], []
+    for i in range(heads.num_heads):
+        ok = flat.remaining[t] >= i + 1  # target position t+1+i inside the answer
+        if not bool(ok.any()):
+            losses.append(float("nan"))
+            accs.append(float("nan"))
+            continue
+        ti = t[ok]
+        path = flat.tokens[ti[:, None] + torch.arange(i + 1)]  # (b, i+1): tokens[t..t+i]
+        with torch.no_grad():
+            target = flat.hidden[ti + 1 + i] @ teacher_lm.T  # (b, K) teacher logits
+        logits = heads.lm_logits(i, heads.head_hidden(i, feature[ok], path))  # (b, K)
+        if soft:
+            loss = -(torch.softmax(target / temperature, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(logits, target.argmax(-1))
+        total = total + loss
+        losses.append(float(loss))
+        accs.append(float((logits.argmax(-1) == target.argmax(-1)).float().mean()))
+    return total, losses, accs
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine to 10% of the peak."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def train_heads(
+    heads: DraftHeads,
+    flat: Flat,
+    cfg: TrainConfig,
+    ckpt: Path,
+    resume: bool = True,
+    progress: bool = True,
+    log: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
+    """Train `heads` (already bound, draft vocabulary set) for cfg.steps; checkpoint to `ckpt`.
+
+    The batch of step s depends only on (seed, s), so a resumed run continues identically.
+    Returns {"steps", "seconds", "last": per-head loss/acc of the final step}.
+    """
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    start, seconds = 0, 0.0
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise TrainError(f"{ckpt} was written with another training config; pass --fresh or another --work")
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        start, seconds = state["step"], state["seconds"]
+    teacher_lm = heads._lm_weights(0)[0].float()  # (K, H): shared LM head over the draft vocabulary
+    heads.train()
+    last: dict[str, Any] = {}
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {heads.kind}", disable=not progress)
+    for step in bar:
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        t = flat.anchors[torch.randint(len(flat.anchors), (cfg.batch_tokens,), generator=g)]
+        for group in opt.param_groups:
+            group["lr"] = _lr(cfg, step)
+        loss, losses, accs = head_losses(heads, flat, t, teacher_lm, cfg.soft_targets, cfg.temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        seconds += time.perf_counter() - t0
+        last = {"step": step + 1, "loss": [round(x, 4) for x in losses], "acc": [round(x, 4) for x in accs]}
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
+        if log is not None and (step + 1) % 25 == 0:
+            log(last)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            _atomic_save(
+                {"config": asdict(cfg), "heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1, "seconds": seconds},
+                ckpt,
+            )
+    heads.eval()
+    return {"steps": cfg.steps, "seconds": round(seconds, 1), "last": last}
+
+
+# --- held-out accuracy ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def head_accuracy(heads: DraftHeads, corpus: Corpus, topk: tuple[int, ...] = (1, 5), batch: int = 4096) -> list[dict[str, float]]:
+    """Per head: how often the base model's greedy token at t+2+i is in the head's top-k.
+
+    Head i reads the true path tokens[t..t+i] (the top-1 path of a tree when the earlier heads
+    were right). The target is the argmax of the base model's full distribution, so a token
+    outside the draft vocabulary counts as a miss.
+    """
+    flat = Flat.of(corpus)
+    lm = _lm_head_of(heads)
+    hits = [[0] * len(topk) for _ in range(heads.num_heads)]
+    counts = [0] * heads.num_heads
+    heads.eval()
+    for s in range(0, len(flat.anchors), batch):
+        t = flat.anchors[s : s + batch]
+        feature = flat.hidden[t].to(lm.weight.dtype)
+        for i in range(heads.num_heads):
+            ok = flat.remaining[t] >= i + 1
+            ti = t[ok]
+            if not len(ti):
+                continue
+            target = lm(flat.hidden[ti + 1 + i].to(lm.weight.dtype)).argmax(-1)  # (b,) full-vocab greedy
+            path = flat.tokens[ti[:, None] + torch.arange(i + 1)]
+            logits = heads.head_logits(i, feature[ok], path)
+            top = heads.to_token_ids(torch.topk(logits, max(topk), -1).indices)  # (b, k)
+            for j, k in enumerate(topk):
+                hits[i][j] += int((top[:, :k] == target[:, None]).any(-1).sum())
+            counts[i] += len(ti)
+    return [
+        {**{f"top{k}": round(hits[i][j] / max(1, counts[i]), 4) for j, k in enumerate(topk)}, "n": counts[i]}
+        for i in range(heads.num_heads)
+    ]
+
+
+def _lm_head_of(heads: DraftHeads):
+    return heads._base["lm_head"]
+
+
+def vocab_coverage(vocab: torch.Tensor, corpus: Corpus) -> float:
+    """Share of the corpus' answer tokens inside the draft vocabulary."""
+    toks = torch.cat(corpus.tokens)
+    return round(float(torch.isin(toks, vocab).float().mean()), 4)
+
+
+def iter_steps(n: int) -> Iterator[int]:
+    return iter(range(n))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import METHODS, TASKS, GenerationConfig, ModelConfig
+from .calibrate import BankBuildConfig
+from .config import BASELINE_TREE, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2
 
@@ -76,7 +78,64 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--typical", action="store_true", help="Hydra/Medusa typical acceptance (LOSSY, temperature > 0 only)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     add_model_args(gen)
+
+    t = TrainConfig()
+    tr = sub.add_parser("train-heads", help="self-distil Hydra and/or Medusa heads for a model (resumable)")
+    tr.add_argument("--kind", choices=["hydra", "medusa", "both"], default="both")
+    tr.add_argument("--out", default=None, help="folder receiving <kind>/ (default: assets/heads/<model>/)")
+    tr.add_argument("--work", default=None, help="corpus shards and checkpoints (default: checkpoints/heads/<model>)")
+    resume = tr.add_mutually_exclusive_group()
+    resume.add_argument("--resume", dest="resume", action="store_true", default=True, help="continue from the work folder (default)")
+    resume.add_argument("--fresh", dest="resume", action="store_false", help="restart training (corpus shards are kept)")
+    tr.add_argument("--steps", type=positive_int, default=t.steps)
+    tr.add_argument("--batch-tokens", type=positive_int, default=t.batch_tokens, help="anchors per step")
+    tr.add_argument("--lr", type=non_negative_float, default=t.lr)
+    tr.add_argument("--num-layers", type=positive_int, default=t.num_layers)
+    tr.add_argument("--draft-vocab", type=positive_int, default=t.draft_vocab, help="K most frequent answer tokens")
+    tr.add_argument("--hard-targets", action="store_true", help="train on the teacher's argmax, not its distribution")
+    tr.add_argument("--self-prompts", type=task_counts, default=t.self_prompts, metavar="TASK=N,...",
+                    help="prompts per task answered by the base model (default: %(default)s)")
+    tr.add_argument("--ref-prompts", type=task_counts, default=t.ref_prompts, metavar="TASK=N,...",
+                    help="prompts per task whose reference answer is read teacher-forced (default: %(default)s)")
+    tr.add_argument("--seed", type=int, default=t.seed)
+    tr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path")
+    tr.add_argument("--device", default=ModelConfig().device)
+
+    ev = sub.add_parser("eval-heads", help="held-out head accuracy and mean accepted length per task")
+    ev.add_argument("--kind", choices=["hydra", "medusa", "both"], default="hydra")
+    ev.add_argument("--prompts-per-task", type=positive_int, default=8, help="evaluation prompts per task")
+    ev.add_argument("--max-new-tokens", type=positive_int, default=g.max_new_tokens)
+    ev.add_argument("--tasks", default=",".join(TASKS), help="comma-separated tasks (default: %(default)s)")
+    ev.add_argument("--work", default=None, help="where the held-out corpus is cached (default: as train-heads)")
+    add_model_args(ev)
+
+    b = BankBuildConfig()
+    bb = sub.add_parser("build-bank", help="build a task's bank of throughput-Pareto trees on this machine (resumable)")
+    bb.add_argument("--task", choices=TASKS, required=True)
+    bb.add_argument("--prompts", default=None, help="calibration prompts (JSONL); default: the task's calib split")
+    bb.add_argument("--calib-prompts", type=positive_int, default=b.calib_prompts, help="prompts in the joint rollout")
+    bb.add_argument("--calib-new-tokens", type=positive_int, default=b.calib_new_tokens)
+    bb.add_argument("--measure-prompts", type=positive_int, default=b.measure_prompts, help="prompts per candidate in stage 3+4")
+    bb.add_argument("--measure-new-tokens", type=positive_int, default=b.measure_new_tokens)
+    bb.add_argument("--max-candidates", type=positive_int, default=b.max_candidates)
+    bb.add_argument("--out", default=None, help="bank file (default: banks/<model>/<task>.json)")
+    bb.add_argument("--work", default=None, help="stage checkpoints (default: checkpoints/bank/<model>/<task>)")
+    bb.add_argument("--fresh", action="store_true", help="discard the stage checkpoints and start over")
+    add_model_args(bb)
     return parser
+
+
+def task_counts(text: str) -> tuple:
+    """`code=75,math=240` -> (("code", 75), ("math", 240)); `none` -> ()."""
+    if text.strip().lower() == "none":
+        return ()
+    out = []
+    for part in text.split(","):
+        task, _, n = part.partition("=")
+        if task.strip() not in TASKS:
+            raise argparse.ArgumentTypeError(f"unknown task {task.strip()!r} in {text!r} (expected {', '.join(TASKS)})")
+        out.append((task.strip(), positive_int(n.strip())))
+    return tuple(out)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -131,7 +190,154 @@ def generation_json(item: dict, method: str, text: str, res) -> dict[str, Any]:
     }
 
 
-COMMANDS = {"generate": cmd_generate}
+def _work_dir(args: argparse.Namespace) -> "Path":
+    from pathlib import Path
+
+    from .config import ROOT
+    from .loading import model_slug
+
+    return Path(args.work) if args.work else ROOT / "checkpoints" / "heads" / model_slug(args.model)
+
+
+def _kinds(kind: str) -> list[str]:
+    return ["hydra", "medusa"] if kind == "both" else [kind]
+
+
+def cmd_train_heads(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .loading import default_heads_dir, eos_ids, load_runtime
+    from .train import train_and_save
+
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if not args.self_prompts and not args.ref_prompts:
+        raise UsageError("--self-prompts and --ref-prompts are both empty: no corpus")
+    cfg = TrainConfig(
+        self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
+        lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
+        seed=args.seed,
+    )
+    kinds = _kinds(args.kind)
+    out = {k: Path(args.out) / k if args.out else default_heads_dir(args.model, k) for k in kinds}
+    rt = load_runtime(ModelConfig(model=args.model, device=args.device))  # float32 teacher
+    tok = rt.tokenizer
+    eos = set(eos_ids(rt.model, tok))
+    if not eos:
+        raise UsageError(f"{args.model} has no EOS token: cannot delimit answers")
+    end = min(eos)
+    command = "python -m entmtp " + " ".join(sys.argv[1:])
+    results = train_and_save(
+        rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
+        tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, _work_dir(args), args.resume,
+        {"command": command, "model": args.model},
+        log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
+    )
+    for kind, prov in results.items():
+        print(f"{kind}: saved to {out[kind]}; held-out (calib) per head:")
+        for i, h in enumerate(prov["heldout"]["per_head"]):
+            print(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']})")
+    print(json.dumps({k: {"out": str(out[k]), "heldout": p["heldout"]["per_head"], "training": p["training"]}
+                      for k, p in results.items()}))
+
+
+def cmd_eval_heads(args: argparse.Namespace) -> None:
+    from .data import eval_prompt_file
+    from .engine import collect
+    from .loading import eos_ids, load_runtime
+    from .train import build_corpus, head_accuracy
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads)
+    tok = rt.tokenizer
+    eos = set(eos_ids(rt.model, tok))
+    end = min(eos) if eos else 0
+    heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
+                           end, TrainConfig(), _work_dir(args), "calib")
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    report: dict[str, Any] = {"heldout": {}, "accepted": {}, "max_new_tokens": args.max_new_tokens}
+    for kind in _kinds(args.kind):
+        heads = rt.heads(kind)
+        acc = head_accuracy(heads, heldout)
+        report["heldout"][kind] = acc
+        print(f"{kind} heads ({heads.provenance.get('sha256', '?')}), held-out calib answers, per head:")
+        for i, h in enumerate(acc):
+            print(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']})")
+        report["accepted"][kind] = {}
+        for task in tasks:
+            tokens = steps = 0
+            per_prompt = []
+            for item in eval_prompt_file(task, args.prompts_per_task):
+                res = collect(rt.run(kind, task, rt.encode(item["prompt"]), gen))
+                tokens, steps = tokens + res.new_tokens, steps + len(res.steps)
+                per_prompt.append(res.mean_accepted)
+            row = {"prompts": len(per_prompt), "tokens": tokens, "steps": steps,
+                   "mean_accepted": round(tokens / max(1, steps), 4),
+                   "mean_accepted_per_prompt": round(sum(per_prompt) / max(1, len(per_prompt)), 4)}
+            report["accepted"][kind][task] = row
+            print(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step "
+                  f"({tokens} tokens, {steps} steps, {len(per_prompt)} prompts)", flush=True)
+    print(json.dumps(report))
+
+
+def cmd_build_bank(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from .calibrate import BankBuildConfig, Stages, build_bank
+    from .config import ROOT
+    from .data import prompts, read_prompt_file
+    from .loading import bank_path, load_runtime
+
+    cfg = BankBuildConfig(
+        calib_prompts=args.calib_prompts,
+        calib_new_tokens=args.calib_new_tokens,
+        measure_prompts=args.measure_prompts,
+        measure_new_tokens=args.measure_new_tokens,
+        max_candidates=args.max_candidates,
+    )
+    if cfg.max_candidates < 3:
+        raise UsageError(f"--max-candidates must be at least 3 (the bank needs 3 trees), got {cfg.max_candidates}")
+    if args.prompts:
+        texts = [it["prompt"] for it in read_prompt_file(args.prompts, default_task=args.task)][: cfg.calib_prompts]
+        calibration = f"{args.prompts} (first {len(texts)} prompts)"
+    else:
+        texts = prompts(args.task, "calib", cfg.calib_prompts)
+        calibration = f"{args.task} calib split, first {len(texts)} prompts (entmtp/data.py)"
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads)
+    heads = rt.heads("hydra")
+    work = Path(args.work) if args.work else ROOT / "checkpoints" / "bank" / rt.slug / args.task
+    out = Path(args.out) if args.out else bank_path(rt.name, args.task)
+    provenance = {
+        "model": rt.name,
+        "heads_sha256": heads.provenance.get("sha256", "unknown"),
+        "calibration": calibration,
+        "command": "python -m entmtp " + " ".join(args.argv),
+        "dtype": str(rt.model.dtype).replace("torch.", ""),
+    }
+
+    def progress(it, desc, total):
+        return tqdm(it, desc=desc, total=total, file=sys.stderr)
+
+    ids = [rt.encode(t) for t in texts]
+    try:
+        bank, report = build_bank(rt.engine, heads, ids, cfg, Stages(work, args.fresh), provenance, {"model": rt.slug, "task": args.task}, progress)
+    except ValueError as e:
+        if type(e) is ValueError:
+            raise UsageError(str(e)) from None
+        raise
+    bank.save(out)
+    print(f"{'tree':<10} {'nodes':>5} {'pred acc':>8} {'acc':>6} {'step ms':>8} {'tok/s':>7}  front")
+    for c in report["candidates"]:
+        mark = "*" if c["id"] in report["front"] else ""
+        print(f"{c['id']:<10} {c['n_nodes']:>5} {c['predicted']:>8.3f} {c['mean_accepted']:>6.3f} {c['step_ms']:>8.1f} {c['tokens_per_s']:>7.2f}  {mark}")
+    print("simulated tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["simulated"].items()))
+    print(json.dumps({"bank": str(out), **report}))
+
+
+COMMANDS = {"generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,11 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     from .heads import HeadsError
     from .loading import LoadError
     from .topology import TopologyError
+    from .train import TrainError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded in the provenance of what a command writes
     try:
         COMMANDS[args.command](args)
-    except (UsageError, DataError, LoadError, GenerationError, HeadsError, BankError, TopologyError) as e:
+    except (UsageError, DataError, LoadError, GenerationError, HeadsError, BankError, TopologyError, TrainError) as e:
         print(f"entmtp: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

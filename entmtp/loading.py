@@ -129,6 +129,7 @@ def _fits_one_gpu(cfg: Any, dtype: torch.dtype) -> bool:
 def load_model(cfg: ModelConfig = ModelConfig()):
     """(model, tokenizer) on the resolved device and dtype, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -139,7 +140,11 @@ def load_model(cfg: ModelConfig = ModelConfig()):
             if not _fits_one_gpu(AutoConfig.from_pretrained(source), dtype):
                 kwargs["device_map"] = "auto"  # spread over the GPUs; heads follow the LM head
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        hf_logging.disable_progress_bar()  # a local load takes about a second: keep stderr clean
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        finally:
+            hf_logging.enable_progress_bar()
     except OSError as e:
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:

@@ -1,0 +1,89 @@
+"""Bank files: schema validation with errors that name the bad field; save/load round trip."""
+
+import json
+
+import pytest
+
+from entmtp.bank import BankError, TopologyBank, load_bank, parse_bank
+from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.topology import chain, compile_tree
+
+
+def valid_bank() -> dict:
+    trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
+    bank = TopologyBank(
+        trees,
+        [{"mean_accepted": 1.0 + i, "step_ms": 50.0 + i, "tokens_per_s": 20.0 + i} for i in range(3)],
+        {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4)},
+        {
+            "model": "tiny",
+            "task": "chat",
+            "provenance": {
+                "model": "tiny",
+                "heads_sha256": "abc",
+                "calibration": "none",
+                "command": "test",
+                "date": "2026-11-29",
+                "hardware": "cpu",
+            },
+        },
+    )
+    return bank.to_json()
+
+
+def test_round_trip(tmp_path):
+    raw = valid_bank()
+    path = parse_bank(raw).save(tmp_path / "b.json")
+    back = load_bank(path)
+    assert back.to_json() == raw
+    assert isinstance(back.policy("tau"), TauPolicy) and back.policy("tau").large == 2
+    assert [t.name for t in back.trees] == ["ar", "c2", "t3"]
+
+
+def _break(mutate):
+    raw = valid_bank()
+    mutate(raw)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda r: r.pop("schema_version"), "schema_version"),
+        (lambda r: r.__setitem__("schema_version", 99), "schema_version"),
+        (lambda r: r["provenance"].pop("hardware"), "provenance: missing field 'hardware'"),
+        (lambda r: r["trees"][1].pop("step_ms"), r"trees\[1\]: missing field 'step_ms'"),
+        (lambda r: r["trees"][1].__setitem__("n_nodes", 7), r"trees\[1\].n_nodes"),
+        (lambda r: r["trees"][2].__setitem__("paths", [[0, 0]]), r"trees\[2\].paths: tree is not prefix-closed"),
+        (lambda r: r["trees"][2].__setitem__("id", "c2"), r"trees\[2\].id: duplicate"),
+        (lambda r: r["policies"]["static"].__setitem__("tree", "zz"), "policies.static.tree: unknown tree id 'zz'"),
+        (lambda r: r["policies"]["ladder"].__setitem__("thresholds", [0.9, 0.1]), "thresholds must increase"),
+        (lambda r: r["policies"]["tau"].__setitem__("tau_off", 0.9), "tau_off"),
+        (lambda r: r["policies"].pop("tau"), "missing field 'tau'"),
+        (lambda r: r.__setitem__("trees", []), "trees: empty"),
+    ],
+)
+def test_bad_fields_are_named(mutate, field):
+    with pytest.raises(BankError, match=field):
+        parse_bank(_break(mutate))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(BankError, match="not found"):
+        load_bank(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(BankError, match="not valid JSON"):
+        load_bank(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text(json.dumps([1]))
+    with pytest.raises(BankError, match="expected a JSON object"):
+        load_bank(tmp_path / "list.json")
+
+
+def test_policies_choose_as_specified():
+    lad = LadderPolicy((4, 5, 6), (0.3, 0.7)).chooser()
+    assert [lad(s) for s in (0.0, 0.3, 0.5, 0.7, 0.99)] == [4, 5, 5, 6, 6]
+    tau = TauPolicy(small=0, large=1, tau_on=0.8, tau_off=0.5).chooser()
+    # starts small; goes large above tau_on; stays large until s <= tau_off
+    assert [tau(s) for s in (0.6, 0.9, 0.7, 0.6, 0.5, 0.7, 0.81)] == [0, 1, 1, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="thresholds"):
+        LadderPolicy((0, 1), (0.1, 0.2))

@@ -1,0 +1,116 @@
+"""The CLI contract: `generate --json` fields, and one error line + exit code 2 for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from entmtp.__main__ import main
+from entmtp.heads import HydraHeads, save_heads
+from entmtp.loading import default_gguf
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer, saved as a local model folder."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    gguf = default_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=160,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    heads = HydraHeads(32, len(tok), 4, base_config=cfg)
+    save_heads(heads, d / "heads")
+    wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 64})
+    save_heads(HydraHeads(64, len(tok), 4, base_config=wide), d / "wide-heads")
+    return d
+
+
+def cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_contract(capsys, tiny_dir):
+    runs = {}
+    for method in ("ar", "hf", "hf-lookup", "hydra"):
+        code, out, err = cli(
+            capsys, "generate", "--prompt", "Hello there", "--method", method, "--model", str(tiny_dir),
+            "--heads", str(tiny_dir / "heads"), "--max-new-tokens", "12", "--json",
+        )
+        assert code == 0, err
+        rec = json.loads(out.strip().splitlines()[-1])
+        for key in ("prompt", "method", "task", "text", "token_ids", "new_tokens", "steps", "mean_accepted", "tokens_per_s", "trace"):
+            assert key in rec, key
+        assert rec["method"] == method and rec["task"] == "chat" and rec["new_tokens"] == len(rec["token_ids"])
+        assert len(rec["trace"]) == rec["steps"]
+        for step in rec["trace"]:
+            assert {"s", "entropy", "tree", "tree_nodes", "accepted", "ms"} <= set(step)
+        runs[method] = rec["token_ids"]
+    assert runs["hydra"] == runs["ar"] == runs["hf"] == runs["hf-lookup"]
+
+
+def test_prompts_file_gives_one_line_per_prompt(capsys, tiny_dir, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "task": "code"}\n\n{"prompt": "b"}\n')
+    code, out, err = cli(capsys, "generate", "--prompts", str(f), "--method", "ar", "--model", str(tiny_dir), "--max-new-tokens", "3", "--json")
+    assert code == 0, err
+    recs = [json.loads(line) for line in out.strip().splitlines()]
+    assert [(r["prompt"], r["task"]) for r in recs] == [("a", "code"), ("b", "chat")]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--prompts", "/nonexistent/p.jsonl"], "not found"),
+        (["--prompts", "BAD"], "line 1"),
+        (["--prompt", "hi", "--method", "nope"], "invalid choice: 'nope'"),
+        (["--prompt", "hi", "--task", "poetry"], "invalid choice: 'poetry'"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "must be positive"),
+        (["--prompt", "hi", "--max-new-tokens", "-3"], "must be positive"),
+        (["--prompt", "hi", "--temperature", "-0.5"], "must be >= 0"),
+        (["--prompt", "word " * 400, "--method", "ar"], "context"),
+        (["--prompt", "hi", "--method", "hydra", "--heads", "WIDE"], "hidden size 64"),
+        (["--prompt", "hi", "--method", "hydra", "--heads", "/nonexistent/heads"], "heads not found"),
+        (["--prompt", "  "], "empty"),
+        (["--prompt", "hi", "--temperature", "0", "--typical"], "--typical needs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, tiny_dir, tmp_path, args, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    args = [str(bad) if a == "BAD" else str(tiny_dir / "wide-heads") if a == "WIDE" else a for a in args]
+    code, out, err = cli(capsys, "generate", *args, "--model", str(tiny_dir))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entmtp: error:"), err
+    assert needle in lines[0]
+
+
+def test_module_entry_point_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "entmtp", "generate", "--prompts", str(tmp_path / "missing.jsonl")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

@@ -1,0 +1,62 @@
+"""Losslessness on the real default model (SmolLM2-135M-Instruct, float32) against `generate`."""
+
+import pytest
+import torch
+
+from entmtp import data
+from entmtp.bank import TopologyBank
+from entmtp.config import TASKS, GenerationConfig, ModelConfig
+from entmtp.engine import Strategy, collect
+from entmtp.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.loading import bank_path, default_heads_dir, load_runtime
+from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.topology import chain, compile_tree
+from conftest import ALL_THREADS
+
+pytestmark = pytest.mark.slow
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    torch.set_num_threads(ALL_THREADS)
+    paths = {}
+    for kind, cls in (("hydra", HydraHeads), ("medusa", MedusaHeads)):
+        if not default_heads_dir("smollm2-135m-instruct", kind).exists():  # untrained: random heads
+            torch.manual_seed(0)
+            d = tmp_path_factory.mktemp(kind)
+            heads = cls(576, 49152, 4) if kind == "medusa" else cls(576, 49152, 4, base_config=None)
+            save_heads(heads, d)
+            paths[kind] = str(d)
+    runtime = load_runtime(ModelConfig(), paths.get("hydra"), paths.get("medusa"))
+    assert runtime.model.dtype == torch.float32
+    yield runtime
+    torch.set_num_threads(1)
+
+
+def entmtp_strategies(rt, task):
+    """The task's shipped bank when there is one, else a small bank built here."""
+    if bank_path(rt.name, task).exists():
+        return [rt.strategy(m, task) for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau")]
+    trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0], [0, 0, 0]], "t4")]
+    bank = TopologyBank.of(*trees)
+    heads = rt.heads("hydra")
+    return [
+        Strategy("entmtp-static", bank, StaticPolicy(2), heads),
+        Strategy("entmtp-ladder", bank, LadderPolicy((0, 1, 2), (0.5, 0.9)), heads),
+        Strategy("entmtp-tau", bank, TauPolicy(1, 2, 0.9, 0.6), heads),
+    ]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_method_equals_generate(rt, task):
+    gen = GenerationConfig(max_new_tokens=N_NEW)
+    for prompt in data.prompts(task, "eval", 2):
+        ids = rt.encode(prompt)
+        ref = collect(rt.run("hf", task, ids, gen)).token_ids
+        assert len(ref) > 0
+        for method in ("ar", "hf-lookup", "hydra", "medusa"):
+            assert collect(rt.run(method, task, ids, gen)).token_ids == ref, (method, prompt[:60])
+        for strategy in entmtp_strategies(rt, task):
+            got = collect(rt.engine.generate(ids, strategy, gen)).token_ids
+            assert got == ref, (strategy.name, prompt[:60])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,18 +64,28 @@ class PromptLookupConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Self-distillation of draft heads (see entmtp.train)."""
+    """Self-distillation of draft heads (see entmtp.train). Corpus fields, then the trainer's."""
 
-    kind: str = "hydra"  # hydra | medusa
+    # corpus (training splits only): prompts per task answered greedily by the base model
+    # ("self") and prompts whose reference answer is read teacher-forced ("ref")
+    self_prompts: tuple = (("code", 75), ("math", 128), ("chat", 128))
+    ref_prompts: tuple = (("code", 75), ("math", 400), ("chat", 300))
+    heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
+    answer_tokens: int = 160  # longest answer kept (generated or reference)
+    max_prompt_tokens: int = 384  # longer prompts are skipped
+    gen_batch: int = 16
+    ref_batch: int = 8
+    # heads and training
     num_heads: int = 4
     num_layers: int = 1
-    arch: str = "mlp"  # mlp | prefix-mlp (Hydra++)
-    steps: int = 1500
-    batch_tokens: int = 2048
-    lr: float = 5e-4
-    warmup: int = 50
-    seq_len: int = 256
+    arch: str = "mlp"  # mlp (prefix-mlp, Hydra++, is not trained here)
+    steps: int = 600
+    batch_tokens: int = 512  # anchors per step (each trains every head)
+    lr: float = 1e-3
+    warmup: int = 30
     draft_vocab: int = 8192
+    soft_targets: bool = True  # teacher distribution (Hydra++) rather than its argmax
+    teacher_topk: int = 32  # teacher probabilities kept per position (soft targets)
+    temperature: float = 1.0
     seed: int = 0
-    checkpoint_every: int = 100
-    extra: dict = field(default_factory=dict)
+    checkpoint_every: int = 50

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from . import data
 from .config import TrainConfig
-from .heads import DraftHeads, HydraHeads, MedusaHeads
+from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
 
 Encode = Callable[[str], list[int]]
 SOURCES = ("self", "ref")
@@ -99,7 +99,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: se
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = _base(model)(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = _base(model)(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     h = out.last_hidden_state[:, -1]  # (B, H)
     hs, toks = [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -119,7 +119,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: se
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
         out = _base(model)(
-            input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, past_key_values=cache, use_cache=True
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, cache=cache, use_cache=True
         )
         nxt_pos = nxt_pos + 1
         h = out.last_hidden_state[:, -1]
@@ -172,6 +172,11 @@ def build_corpus(
     """Build (or resume) the corpus of `split` under `work/corpus/<split>/`, one shard per batch."""
     folder = work / "corpus" / split
     folder.mkdir(parents=True, exist_ok=True)
+    shape = {"answer_tokens": cfg.answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
+    manifest = folder / "corpus.json"
+    if manifest.exists() and json.loads(manifest.read_text()) != shape:
+        raise TrainError(f"{folder} was built with {manifest.read_text().strip()}, not {shape}; use another --work")
+    manifest.write_text(json.dumps(shape) + "\n")
     corpus = Corpus()
     for task, source, n in corpus_plan(cfg, split):
         rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
@@ -234,12 +239,14 @@ def draft_vocab(corpus: Corpus, k: int, vocab_size: int) -> torch.Tensor:
 
 @dataclass
 class Flat:
-    """The corpus as flat tensors plus the anchors usable by head 0."""
+    """The corpus as flat tensors, the anchors usable by head 0, and sparse teacher targets."""
 
     hidden: torch.Tensor  # (N, H)
     tokens: torch.Tensor  # (N,)
     remaining: torch.Tensor  # (N,) positions left in the same answer after this one
     anchors: torch.Tensor  # (A,) flat positions t with t+1 inside the same answer
+    teacher_idx: torch.Tensor | None = None  # (N, k) draft-vocab indices of the teacher's top-k
+    teacher_p: torch.Tensor | None = None  # (N, k) their probabilities, renormalised
 
     @classmethod
     def of(cls, corpus: Corpus) -> "Flat":
@@ -250,62 +257,62 @@ class Flat:
         remaining = torch.cat([torch.arange(len(t) - 1, -1, -1) for t in corpus.tokens])
         return cls(hidden, tokens, remaining, (remaining >= 1).nonzero().flatten())
 
+    @torch.no_grad()
+    def add_teacher(self, lm_rows: torch.Tensor, k: int, temperature: float = 1.0, chunk: int = 4096) -> None:
+        """Teacher top-k over the draft vocabulary at every position, once (lm_rows: (K, H))."""
+        idx, prob = [], []
+        w = lm_rows.float()
+        for s in range(0, len(self.hidden), chunk):
+            z = self.hidden[s : s + chunk] @ w.T  # (c, K)
+            v, i = torch.topk(z, min(k, w.shape[0]), dim=-1)
+            idx.append(i.to(torch.int32))
+            prob.append(torch.softmax(v / temperature, -1))  # renormalised over the top-k
+        self.teacher_idx, self.teacher_p = torch.cat(idx), torch.cat(prob)
+
 
 def new_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
+    """Fresh heads for `model` (seeded by the caller); Hydra++'s prefix layer is not trained here."""
     mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if kind == "hydra":
-        heads: DraftHeads = HydraHeads(
-            mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, cfg.arch, True, True, mcfg
-        )
-    elif kind == "medusa":
-        heads = MedusaHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, True)
-    else:
-        raise TrainError(f"unknown heads kind {kind!r} (expected hydra or medusa)")
-    if kind == "hydra" and cfg.arch == "prefix-mlp":
-        raise TrainError("prefix-mlp training is not implemented: its decoder layer needs whole sequences")
-    return heads
+        if cfg.arch != "mlp":
+            raise TrainError(f"training arch {cfg.arch!r} is not implemented (only mlp)")
+        return HydraHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, "mlp", True, True, mcfg)
+    if kind == "medusa":
+        return MedusaHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, True)
+    raise TrainError(f"unknown heads kind {kind!r} (expected hydra or medusa)")
 
 
-def _features(heads: DraftHeads, flat: Flat, t: torch.Tensor) -> torch.Tensor:
-    return flat.hidden[t]  # (B, H): h_t at the anchors
+def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Summed loss of all heads at anchors t (B,), and per head its loss and top-1 agreement.
 
-
-def head_losses(
-    heads: DraftHeads, flat: Flat, t: torch.Tensor, teacher_lm: torch.Tensor, soft: bool, temperature: float = 1.0
-) -> tuple[torch.Tensor, list[float], list[float]]:
-    """Loss over all heads at anchors `t` (B,), and per-head loss and top-1 agreement with the teacher.
-
-    teacher_lm: (K, H) LM-head rows of the draft vocabulary.
+    Head i at anchor t reads hidden[t] and tokens[t..t+i]; its teacher is the base distribution
+    at t+1+i (top-k over the draft vocabulary, soft) or that distribution's argmax (hard).
     """
-    feature = _features(heads, flat, t)
+    feature = flat.hidden[t]  # (B, H)
     total, losses, accs = feature.new_zeros(()), [], []
     for i in range(heads.num_heads):
-        ok = flat.remaining[t] >= i + 1  # target position t+1+i inside the answer
-        if not bool(ok.any()):
+        ok = flat.remaining[t] >= i + 1  # the target position t+1+i lies inside the answer
+        ti = t[ok]
+        if not len(ti):
             losses.append(float("nan"))
             accs.append(float("nan"))
             continue
-        ti = t[ok]
-        path = flat.tokens[ti[:, None] + torch.arange(i + 1)]  # (b, i+1): tokens[t..t+i]
-        with torch.no_grad():
-            target = flat.hidden[ti + 1 + i] @ teacher_lm.T  # (b, K) teacher logits
-        logits = heads.lm_logits(i, heads.head_hidden(i, feature[ok], path))  # (b, K)
-        if soft:
-            loss = -(torch.softmax(target / temperature, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
-        else:
-            loss = F.cross_entropy(logits, target.argmax(-1))
+        path = flat.tokens[ti[:, None] + torch.arange(i + 1)]  # (b, i+1) = tokens[t..t+i]
+        logp = torch.log_softmax(heads.lm_logits(i, heads.head_hidden(i, feature[ok], path)), -1)  # (b, K)
+        idx, p = flat.teacher_idx[ti + 1 + i].long(), flat.teacher_p[ti + 1 + i]  # (b, k)
+        loss = -(p * logp.gather(1, idx)).sum(-1).mean() if soft else -logp.gather(1, idx[:, :1]).mean()
         total = total + loss
-        losses.append(float(loss))
-        accs.append(float((logits.argmax(-1) == target.argmax(-1)).float().mean()))
+        losses.append(float(loss.detach()))
+        accs.append(float((logp.argmax(-1) == idx[:, 0]).float().mean()))
     return total, losses, accs
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine to 10% of the peak."""
+    """Linear warm-up, then cosine down to 10% of the peak."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def train_heads(
@@ -316,49 +323,53 @@ def train_heads(
     resume: bool = True,
     progress: bool = True,
     log: Callable[[dict], None] | None = None,
+    until: int | None = None,
 ) -> dict[str, Any]:
-    """Train `heads` (already bound, draft vocabulary set) for cfg.steps; checkpoint to `ckpt`.
+    """Train bound `heads` (draft vocabulary set, `flat.add_teacher` done) for cfg.steps.
 
-    The batch of step s depends only on (seed, s), so a resumed run continues identically.
-    Returns {"steps", "seconds", "last": per-head loss/acc of the final step}.
+    Checkpoints to `ckpt` every cfg.checkpoint_every steps. The batch of step s depends only
+    on (seed, s), so a resumed run continues exactly as an uninterrupted one. `until` stops
+    after that step, as an interruption would (the run resumes from there).
     """
+    if flat.teacher_idx is None:
+        raise TrainError("call Flat.add_teacher before training")
+    for base in heads._base.values():  # the base model stays frozen (and gets no gradients)
+        base.requires_grad_(False)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     start, seconds = 0, 0.0
     if resume and ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise TrainError(f"{ckpt} was written with another training config; pass --fresh or another --work")
+        if state["config"] != asdict(cfg) or state["kind"] != heads.kind:
+            raise TrainError(f"{ckpt} was written by another training config; pass --fresh or another --work")
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["opt"])
         start, seconds = state["step"], state["seconds"]
-    teacher_lm = heads._lm_weights(0)[0].float()  # (K, H): shared LM head over the draft vocabulary
     heads.train()
     last: dict[str, Any] = {}
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {heads.kind}", disable=not progress)
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    bar = tqdm(range(start, stop), initial=start, total=cfg.steps, desc=f"train {heads.kind}", disable=not progress)
     for step in bar:
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         t = flat.anchors[torch.randint(len(flat.anchors), (cfg.batch_tokens,), generator=g)]
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
-        loss, losses, accs = head_losses(heads, flat, t, teacher_lm, cfg.soft_targets, cfg.temperature)
+        loss, losses, accs = head_losses(heads, flat, t, cfg.soft_targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         seconds += time.perf_counter() - t0
-        last = {"step": step + 1, "loss": [round(x, 4) for x in losses], "acc": [round(x, 4) for x in accs]}
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
+        last = {"step": step + 1, "loss": [round(x, 4) for x in losses], "train_top1": [round(x, 4) for x in accs]}
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accs[0]:.2f}", acc3=f"{accs[-1]:.2f}")
         if log is not None and (step + 1) % 25 == 0:
             log(last)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _atomic_save(
-                {"config": asdict(cfg), "heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1, "seconds": seconds},
-                ckpt,
-            )
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == stop:
+            state = {"config": asdict(cfg), "kind": heads.kind, "heads": heads.state_dict(), "opt": opt.state_dict()}
+            _atomic_save({**state, "step": step + 1, "seconds": seconds}, ckpt)
     heads.eval()
-    return {"steps": cfg.steps, "seconds": round(seconds, 1), "last": last}
+    return {"steps": stop, "seconds": round(seconds, 1), "last": last}
 
 
 # --- held-out accuracy ---------------------------------------------------------------------------
@@ -404,9 +415,66 @@ def _lm_head_of(heads: DraftHeads):
 
 def vocab_coverage(vocab: torch.Tensor, corpus: Corpus) -> float:
     """Share of the corpus' answer tokens inside the draft vocabulary."""
-    toks = torch.cat(corpus.tokens)
-    return round(float(torch.isin(toks, vocab).float().mean()), 4)
+    return round(float(torch.isin(torch.cat(corpus.tokens), vocab).float().mean()), 4)
 
 
-def iter_steps(n: int) -> Iterator[int]:
-    return iter(range(n))
+# --- the whole run -------------------------------------------------------------------------------
+
+
+def train_and_save(
+    model,
+    encode: Encode,
+    encode_answer: Encode,
+    eos: set[int],
+    pad: int,
+    cfg: TrainConfig,
+    kinds: list[str],
+    out_dirs: dict[str, Path],
+    work: Path,
+    resume: bool = True,
+    provenance: dict[str, Any] | None = None,
+    progress: bool = True,
+    log: Callable[[dict], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Corpus -> draft vocabulary -> train each kind -> held-out accuracy -> save (bfloat16).
+
+    Returns per kind the provenance written to its heads.json.
+    """
+    torch.manual_seed(cfg.seed)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    heldout = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "calib", progress)
+    corpus = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "train", progress)
+    corpus_s = time.perf_counter() - t0
+    lm = _lm_head(model)
+    vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0])
+    flat = Flat.of(corpus)
+    flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
+    results = {}
+    for kind in kinds:
+        torch.manual_seed(cfg.seed)
+        heads = new_heads(kind, cfg, model).bind(model)
+        heads.set_draft_vocab(vocab)
+        stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log)
+        heads.to(torch.bfloat16)  # the shipped precision; bind() casts back to the model's dtype
+        heads.bind(model)
+        acc = head_accuracy(heads, heldout)
+        prov = {
+            **(provenance or {}),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "recipe": "self-distillation: heads learn the frozen base model's distribution "
+            + ("(soft, teacher top-k)" if cfg.soft_targets else "(argmax)")
+            + " over a draft vocabulary",
+            "corpus": {"train": corpus.describe(), "heldout_calib": heldout.describe(), "seconds": round(corpus_s, 1)},
+            "draft_vocab": {"size": int(vocab.numel()), "coverage_train": vocab_coverage(vocab, corpus),
+                            "coverage_heldout": vocab_coverage(vocab, heldout)},
+            "train_config": asdict(cfg),
+            "training": stats,
+            "heldout": {"split": "calib (self-generated answers)", "per_head": acc},
+            "weights_dtype": "bfloat16",
+        }
+        save_heads(heads, out_dirs[kind], prov)
+        results[kind] = prov
+        if log is not None:
+            log({"kind": kind, "heldout": acc, "seconds": stats["seconds"]})
+    return results

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .bench import BenchConfig
 from .calibrate import BankBuildConfig
 from .config import BASELINE_TREE, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
 
@@ -55,6 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
+    p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -122,7 +124,33 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--work", default=None, help="stage checkpoints (default: checkpoints/bank/<model>/<task>)")
     bb.add_argument("--fresh", action="store_true", help="discard the stage checkpoints and start over")
     add_model_args(bb)
+
+    bc = BenchConfig()
+    be = sub.add_parser("bench", help="every method side by side on this machine: a table, then one JSON line")
+    be.add_argument("--prompts", default=None, help="JSONL prompt file (default: the eval split of each task)")
+    be.add_argument("--methods", type=method_list, default=list(METHODS), help="comma-separated (default: all)")
+    be.add_argument("--tasks", type=task_list, default=list(TASKS), help="tasks for the default prompts (default: all)")
+    be.add_argument("--prompts-per-task", type=positive_int, default=bc.prompts_per_task)
+    be.add_argument("--max-new-tokens", type=positive_int, default=bc.max_new_tokens)
+    be.add_argument("--out", default=None, help="folder for results.json (per prompt) and the figure")
+    add_model_args(be)
     return parser
+
+
+def method_list(text: str) -> list[str]:
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in out if m not in METHODS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown method {bad[0] if bad else text!r} (choose from {', '.join(METHODS)})")
+    return list(dict.fromkeys(out))
+
+
+def task_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in TASKS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown task {bad[0] if bad else text!r} (choose from {', '.join(TASKS)})")
+    return out
 
 
 def task_counts(text: str) -> tuple:
@@ -153,7 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
         items = [{"prompt": args.prompt, "task": args.task or "chat"}]
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads)
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, typical=args.typical
     )
@@ -190,9 +218,7 @@ def generation_json(item: dict, method: str, text: str, res) -> dict[str, Any]:
     }
 
 
-def _work_dir(args: argparse.Namespace) -> "Path":
-    from pathlib import Path
-
+def _work_dir(args: argparse.Namespace) -> Path:
     from .config import ROOT
     from .loading import model_slug
 
@@ -204,8 +230,6 @@ def _kinds(kind: str) -> list[str]:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from .loading import default_heads_dir, eos_ids, load_runtime
     from .train import train_and_save
 
@@ -251,7 +275,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads)
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     end = min(eos) if eos else 0
@@ -306,7 +330,7 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     else:
         texts = prompts(args.task, "calib", cfg.calib_prompts)
         calibration = f"{args.task} calib split, first {len(texts)} prompts (entmtp/data.py)"
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads)
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
     heads = rt.heads("hydra")
     work = Path(args.work) if args.work else ROOT / "checkpoints" / "bank" / rt.slug / args.task
     out = Path(args.out) if args.out else bank_path(rt.name, args.task)
@@ -337,7 +361,50 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     print(json.dumps({"bank": str(out), **report}))
 
 
-COMMANDS = {"generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from .bench import BenchConfig, run_bench, table
+    from .calibrate import hardware
+    from .data import eval_prompt_file, read_prompt_file
+    from .loading import load_runtime
+
+    cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
+    if args.prompts:
+        items = read_prompt_file(args.prompts)
+    else:
+        items = [it for task in args.tasks for it in eval_prompt_file(task, cfg.prompts_per_task)]
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
+    for task in sorted({it["task"] for it in items}):  # fail before measuring anything
+        for m in args.methods:
+            if m not in ("hf", "hf-lookup"):
+                rt.strategy(m, task)
+
+    def progress(it, desc, total):
+        return tqdm(it, desc=desc, total=total, file=sys.stderr, unit="prompt")
+
+    out = run_bench(rt, items, args.methods, cfg, progress)
+    print(table(out["results"]))
+    summary = {
+        "results": [{k: r[k] for k in ("task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless")} for r in out["results"]],
+        "hardware": hardware(),
+        "model": rt.name,
+        "dtype": str(rt.model.dtype).replace("torch.", ""),
+        "max_new_tokens": cfg.max_new_tokens,
+        "prompts": len(items),
+        "command": "python -m entmtp " + " ".join(args.argv),
+    }
+    if args.out:
+        from .plots import bench_figure
+
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"]}))
+        bench_figure(out["results"]).write_html(d / "speedup.html", include_plotlyjs="cdn")
+    print(json.dumps(summary))
+
+
+COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
 
 
 def main(argv: list[str] | None = None) -> int:

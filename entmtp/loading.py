@@ -192,12 +192,12 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         raise LoadError(f"heads {path}: {e}") from None
 
 
-def bank_path(model_name: str, task: str) -> Path:
-    return BANKS_DIR / model_slug(model_name) / f"{task}.json"
+def bank_path(model_name: str, task: str, banks_dir: Path = BANKS_DIR) -> Path:
+    return Path(banks_dir) / model_slug(model_name) / f"{task}.json"
 
 
-def resolve_bank(model_name: str, task: str, bank: str | None = None) -> TopologyBank:
-    path = Path(bank) if bank else bank_path(model_name, task)
+def resolve_bank(model_name: str, task: str, banks_dir: Path = BANKS_DIR) -> TopologyBank:
+    path = bank_path(model_name, task, banks_dir)
     if not path.exists():
         raise LoadError(f"no {task} bank for {model_name} at {path}; build it with `python -m entmtp build-bank --task {task}`")
     try:
@@ -215,8 +215,10 @@ class Runtime:
     tokenizer: Any
     engine: Engine
     heads_paths: dict[str, str | None] = field(default_factory=dict)  # kind -> user-given path
+    banks_dir: Path = BANKS_DIR
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
+    _banks: dict[str, TopologyBank] = field(default_factory=dict)
 
     @property
     def slug(self) -> str:
@@ -228,7 +230,9 @@ class Runtime:
         return self._heads[kind]
 
     def bank(self, task: str) -> TopologyBank:
-        return resolve_bank(self.name, task)
+        if task not in self._banks:
+            self._banks[task] = resolve_bank(self.name, task, self.banks_dir)
+        return self._banks[task]
 
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""
@@ -276,6 +280,18 @@ class Runtime:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def load_runtime(cfg: ModelConfig = ModelConfig(), hydra_heads: str | None = None, medusa_heads: str | None = None) -> Runtime:
+def load_runtime(
+    cfg: ModelConfig = ModelConfig(),
+    hydra_heads: str | None = None,
+    medusa_heads: str | None = None,
+    banks_dir: str | Path | None = None,
+) -> Runtime:
     model, tok = load_model(cfg)
-    return Runtime(cfg.model, model, tok, Engine(model, eos_ids(model, tok)), {"hydra": hydra_heads, "medusa": medusa_heads})
+    return Runtime(
+        cfg.model,
+        model,
+        tok,
+        Engine(model, eos_ids(model, tok)),
+        {"hydra": hydra_heads, "medusa": medusa_heads},
+        Path(banks_dir) if banks_dir else BANKS_DIR,
+    )

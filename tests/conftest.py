@@ -6,9 +6,10 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from entmtp.heads import HydraHeads, MedusaHeads
+from entmtp.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.loading import default_gguf
 
 VOCAB = 48
 ALL_THREADS = torch.get_num_threads()
@@ -78,3 +79,30 @@ def model():
 def prompts():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 23)]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer, saved as a local model folder."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    gguf = default_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=160,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    save_heads(HydraHeads(32, len(tok), 4, base_config=cfg), d / "heads")
+    save_heads(MedusaHeads(32, len(tok), 4), d / "medusa-heads")
+    wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 64})
+    save_heads(HydraHeads(64, len(tok), 4, base_config=wide), d / "wide-heads")
+    return d

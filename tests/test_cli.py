@@ -5,41 +5,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 from entmtp.__main__ import main
-from entmtp.heads import HydraHeads, save_heads
-from entmtp.loading import default_gguf
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with the default model's tokenizer, saved as a local model folder."""
-    d = tmp_path_factory.mktemp("tiny-model")
-    gguf = default_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=160,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    heads = HydraHeads(32, len(tok), 4, base_config=cfg)
-    save_heads(heads, d / "heads")
-    wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 64})
-    save_heads(HydraHeads(64, len(tok), 4, base_config=wide), d / "wide-heads")
-    return d
 
 
 def cli(capsys, *argv):

@@ -1,0 +1,110 @@
+"""The benchmark: every method on the same prompts, interleaved, on this machine.
+
+Per prompt the methods run one after another in a rotating order, so drift of the machine hits
+all alike; a warm-up pass (excluded) builds kernels and caches first. Figures per task and
+method: tokens/s (new tokens over wall time, prefill included), mean accepted tokens per step,
+speedup over `ar` measured in the same run, lossless (token ids equal to `ar`'s at temperature
+0), and the share of each decode phase.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .config import GenerationConfig
+from .engine import PHASES, collect
+
+Progress = Callable[[Iterable, str, int], Iterable]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts_per_task: int = 12
+    max_new_tokens: int = 128
+    warmup_new_tokens: int = 16
+
+
+def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = BenchConfig(), progress: Progress | None = None) -> dict:
+    """items: [{"prompt", "task"}]. Returns {"results": [...], "per_prompt": [...]}."""
+    if "ar" not in methods:
+        methods = ["ar"] + list(methods)  # the reference for speedup and losslessness
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
+    encoded = [(it["task"], rt.encode(it["prompt"])) for it in items]
+
+    warm = GenerationConfig(max_new_tokens=cfg.warmup_new_tokens)
+    for task in sorted({t for t, _ in encoded}):
+        ids = next(i for t, i in encoded if t == task)
+        for m in methods:
+            collect(rt.run(m, task, ids, warm))
+
+    rows = []
+    it = progress(range(len(encoded)), "bench", len(encoded)) if progress else range(len(encoded))
+    for i in it:
+        task, ids = encoded[i]
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        for m in order:
+            res = collect(rt.run(m, task, ids, gen))
+            phases = res.phase_ms()
+            rows.append(
+                {
+                    "prompt": i,
+                    "task": task,
+                    "method": m,
+                    "tokens": res.new_tokens,
+                    "steps": len(res.steps),
+                    "seconds": res.elapsed_s,
+                    "prefill_ms": res.steps[0].prefill_ms if res.steps else 0.0,
+                    "phase_ms": {k: phases.get(k, 0.0) for k in PHASES},
+                    "token_ids": res.token_ids,
+                }
+            )
+    return {"results": aggregate(rows, methods), "per_prompt": rows}
+
+
+def aggregate(rows: list[dict], methods: list[str]) -> list[dict]:
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["task"], r["method"])].append(r)
+    ref = {(r["task"], r["prompt"]): r["token_ids"] for r in rows if r["method"] == "ar"}
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    out = []
+    for task in tasks:
+        ar = by[(task, "ar")]
+        ar_tps = sum(r["tokens"] for r in ar) / max(1e-9, sum(r["seconds"] for r in ar))
+        for m in methods:
+            rs = by[(task, m)]
+            tokens, steps, secs = sum(r["tokens"] for r in rs), sum(r["steps"] for r in rs), sum(r["seconds"] for r in rs)
+            tps = tokens / max(1e-9, secs)
+            phase = {k: sum(r["phase_ms"][k] for r in rs) / max(1, steps) for k in PHASES}
+            out.append(
+                {
+                    "task": task,
+                    "method": m,
+                    "tokens_per_s": round(tps, 3),
+                    "mean_accepted": round(tokens / max(1, steps), 4),
+                    "speedup_vs_ar": round(tps / ar_tps, 4) if ar_tps else None,
+                    "lossless": all(r["token_ids"] == ref[(task, r["prompt"])] for r in rs),
+                    "prompts": len(rs),
+                    "tokens": tokens,
+                    "ms_per_step": round(secs * 1e3 / max(1, steps), 2),
+                    "phase_ms_per_step": {k: round(v, 2) for k, v in phase.items()},
+                }
+            )
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """A plain-text table: one row per task and method."""
+    head = f"{'task':<5} {'method':<14} {'tok/s':>7} {'x ar':>6} {'acc/step':>8} {'lossless':>8} {'ms/step':>8}  " + " ".join(f"{p:>8}" for p in PHASES)
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ph = r["phase_ms_per_step"]
+        engine = any(ph.values())
+        lines.append(
+            f"{r['task']:<5} {r['method']:<14} {r['tokens_per_s']:>7.2f} {r['speedup_vs_ar']:>6.2f} {r['mean_accepted']:>8.2f} "
+            f"{'yes' if r['lossless'] else 'NO':>8} {r['ms_per_step']:>8.1f}  "
+            + " ".join(f"{ph[p]:>8.2f}" if engine else f"{'-':>8}" for p in PHASES)
+        )
+    return "\n".join(lines)

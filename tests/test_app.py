@@ -1,0 +1,167 @@
+"""The Gradio app, launched and driven through `gradio_client` on the real default model."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import time
+
+import pytest
+import torch
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+from entmtp.config import DEFAULT_MODEL, ROOT, GenerationConfig
+from entmtp.engine import collect
+from entmtp.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.loading import default_heads_dir
+from conftest import ALL_THREADS
+
+pytestmark = pytest.mark.slow
+N_NEW = 24
+PROMPT = "Write a Python function that returns the sum of a list of numbers."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def import_app():
+    """The top-level app.py, whichever way pytest was started."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("app")
+
+
+def head_paths(tmp_path_factory) -> dict[str, str | None]:
+    """The shipped heads when they exist, else random ones (losslessness holds for any heads)."""
+    paths: dict[str, str | None] = {}
+    for kind, cls in (("hydra", HydraHeads), ("medusa", MedusaHeads)):
+        if default_heads_dir(DEFAULT_MODEL, kind).exists():
+            paths[kind] = None
+            continue
+        torch.manual_seed(0)
+        d = tmp_path_factory.mktemp(kind)
+        save_heads(cls(576, 49152, 4), d, {"note": "random heads for the app tests"})
+        paths[kind] = str(d)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(app module, app config, client) for one launched demo that serves two races at once."""
+    torch.set_num_threads(ALL_THREADS)
+    app = import_app()
+    paths = head_paths(tmp_path_factory)
+    cfg = app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"], concurrency=2)
+    demo = app.build_demo(cfg)
+    port = free_port()
+    app.launch(demo, prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
+    try:
+        yield app, cfg, Client(f"http://127.0.0.1:{port}/", verbose=False)
+    finally:
+        demo.close()
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ar_text(served):
+    """`ar`'s greedy text for PROMPT, decoded straight from the engine."""
+    app, cfg, _ = served
+    rt = app.get_runtime(cfg, cfg.model)
+    res = collect(rt.run("ar", "code", rt.encode(PROMPT), GenerationConfig(max_new_tokens=N_NEW)))
+    return rt.decode(res.token_ids)
+
+
+def test_race_streams_and_matches_ar(served, ar_text):
+    _, _, client = served
+    job = client.submit(PROMPT, "code", "tau", "ar", N_NEW, 0.0, api_name="/race")
+    out = job.result(timeout=600)
+    ent_text, base_text = out[0], out[1]
+    assert len(job.outputs()) > 1, "the race should stream step by step"
+    assert ent_text and base_text
+    assert ent_text == base_text == ar_text
+    assert "identical output" in out[6]
+    # the streamed panes grow: an early update holds a prefix of the final text
+    assert len(job.outputs()[0][0]) <= len(ent_text)
+
+
+def test_two_races_at_once(served, ar_text):
+    _, _, client = served
+    jobs = [
+        client.submit(PROMPT, "code", "ladder", "medusa", N_NEW, 0.0, api_name="/race"),
+        client.submit(PROMPT, "math", "static", "ar", N_NEW, 0.0, api_name="/race"),
+    ]
+    for job in jobs:
+        ent_text, base_text = job.result(timeout=600)[:2]
+        assert ent_text == base_text == ar_text
+
+
+def test_sampling_race_completes(served):
+    _, _, client = served
+    out = client.predict(PROMPT, "chat", "tau", "ar", 8, 0.8, api_name="/race")
+    assert out[0] and out[1]
+    assert "sampling" in out[6]
+
+
+def test_stop_cancels_a_running_race(served):
+    _, _, client = served
+    job = client.submit(PROMPT, "chat", "static", "ar", 1024, 0.0, api_name="/race")
+    deadline = time.monotonic() + 300
+    while len(job.outputs()) < 2:
+        assert time.monotonic() < deadline and not job.done(), "the race never streamed"
+        time.sleep(0.1)
+    job.cancel()
+    time.sleep(3.0)  # the step in flight finishes, then the generator is closed
+    n = len(job.outputs())
+    cpu = time.process_time()
+    time.sleep(2.0)
+    assert len(job.outputs()) == n, "updates kept coming after Stop"
+    assert time.process_time() - cpu < 1.0, "the server kept decoding after Stop"
+    assert len(job.outputs()[-1][0]) < 1024  # far from the budget: it was cut short
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("", "code", "tau", "ar", N_NEW, 0.0), "empty"),
+        (("   \n ", "code", "tau", "ar", N_NEW, 0.0), "empty"),
+        (("word " * 30_000, "code", "tau", "ar", N_NEW, 0.0), "characters"),
+        (("word " * 3_000, "code", "tau", "ar", N_NEW, 0.0), "tokens"),
+        # the sliders refuse out-of-range values themselves ("Value 0 is less than minimum value 1.")
+        ((PROMPT, "code", "tau", "ar", 0, 0.0), "max_new_tokens|less than minimum value 1"),
+        ((PROMPT, "code", "tau", "ar", 5000, 0.0), "max_new_tokens|greater than maximum value 1024"),
+        ((PROMPT, "code", "tau", "ar", 2.5, 0.0), "max_new_tokens"),
+        ((PROMPT, "code", "tau", "ar", N_NEW, -0.1), "temperature|less than minimum value 0"),
+        ((PROMPT, "code", "tau", "ar", N_NEW, 2.5), "temperature|greater than maximum value 2"),
+        ((PROMPT, "poetry", "tau", "ar", N_NEW, 0.0), "task|not in the list of choices"),
+        ((PROMPT, "code", "greedy", "ar", N_NEW, 0.0), "policy|not in the list of choices"),
+    ],
+)
+def test_bad_input_gets_a_message(served, args, message):
+    _, _, client = served
+    with pytest.raises(AppError, match=message):
+        client.predict(*args, api_name="/race")
+
+
+def test_custom_tau_is_checked(served):
+    _, _, client = served
+    with pytest.raises(AppError, match="τ_off"):
+        client.predict(PROMPT, "code", "tau", "ar", N_NEW, 0.0, None, 0, True, 0.3, 0.6, api_name="/race")
+
+
+def test_still_serves_after_errors(served, ar_text):
+    _, _, client = served
+    out = client.predict(PROMPT, "code", "static", "ar", N_NEW, 0.0, api_name="/race")
+    assert out[0] == ar_text
+
+
+def test_fallback_bank_is_flagged(served, monkeypatch, tmp_path):
+    app, _, _ = served
+    monkeypatch.setattr(app, "bank_path", lambda model, task: tmp_path / f"{task}.json")
+    bank, note = app.bank_for(DEFAULT_MODEL, "code")
+    assert bank.meta.get("fallback") and "fallback" in note
+    assert set(bank.policies) == {"static", "ladder", "tau"}

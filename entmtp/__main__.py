@@ -347,17 +347,31 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
 
     ids = [rt.encode(t) for t in texts]
     try:
-        bank, report = build_bank(rt.engine, heads, ids, cfg, Stages(work, args.fresh), provenance, {"model": rt.slug, "task": args.task}, progress)
+        baseline = rt.strategy("hydra", args.task).bank[0]  # Hydra's default tree, measured for comparison
+        bank, report = build_bank(
+            rt.engine, heads, ids, cfg, Stages(work, args.fresh), provenance, {"model": rt.slug, "task": args.task}, progress, baseline
+        )
     except ValueError as e:
         if type(e) is ValueError:
             raise UsageError(str(e)) from None
         raise
     bank.save(out)
+    from .plots import front_figure, save_png
+
+    fig = front_figure(bank, report.get("baseline"))
+    figure = ROOT / "assets" / f"bank-{rt.slug}-{args.task}.png"
+    if not save_png(fig, figure):
+        figure = figure.with_suffix(".html")  # no Chromium here: keep the interactive figure
+        fig.write_html(figure, include_plotlyjs="cdn")
     print(f"{'tree':<10} {'nodes':>5} {'pred acc':>8} {'acc':>6} {'step ms':>8} {'tok/s':>7}  front")
     for c in report["candidates"]:
         mark = "*" if c["id"] in report["front"] else ""
         print(f"{c['id']:<10} {c['n_nodes']:>5} {c['predicted']:>8.3f} {c['mean_accepted']:>6.3f} {c['step_ms']:>8.1f} {c['tokens_per_s']:>7.2f}  {mark}")
+    if "baseline" in report:
+        b = report["baseline"]
+        print(f"{b['name']:<10} {b['n_nodes']:>5} {'':>8} {b['mean_accepted']:>6.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>7.2f}  (baseline, not in the bank)")
     print("simulated tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["simulated"].items()))
+    print(f"bank: {out}  figure: {figure}")
     print(json.dumps({"bank": str(out), **report}))
 
 
@@ -395,12 +409,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "command": "python -m entmtp " + " ".join(args.argv),
     }
     if args.out:
-        from .plots import bench_figure
+        from .plots import bench_figure, save_png
 
         d = Path(args.out)
         d.mkdir(parents=True, exist_ok=True)
         (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"]}))
-        bench_figure(out["results"]).write_html(d / "speedup.html", include_plotlyjs="cdn")
+        fig = bench_figure(out["results"])
+        fig.write_html(d / "speedup.html", include_plotlyjs="cdn")
+        save_png(fig, d / "speedup.png")
     print(json.dumps(summary))
 
 

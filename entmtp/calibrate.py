@@ -326,8 +326,12 @@ def build_bank(
     provenance: dict,
     meta: dict,
     progress: Progress = _no_progress,
+    baseline: Tree | None = None,
 ) -> tuple[TopologyBank, dict]:
-    """Run (or resume) all stages and return the bank and a report of what each stage found."""
+    """Run (or resume) all stages and return the bank and a report of what each stage found.
+
+    `baseline` (Hydra's default tree) is measured alongside the candidates, for comparison only.
+    """
     key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)}, "heads": provenance.get("heads_sha256")}
     if stages.load("stage0") not in (None, key):
         raise ValueError(f"{stages.work} holds a build with other settings; pass --fresh or another --work")
@@ -351,7 +355,7 @@ def build_bank(
         engine,
         heads,
         calib_prompts[: cfg.measure_prompts],
-        trees,
+        trees + ([baseline] if baseline is not None else []),
         cfg.measure_new_tokens,
         stages.load("stage3"),
         lambda r: stages.save("stage3", r),
@@ -367,6 +371,9 @@ def build_bank(
         rollouts, bank_trees, [s["step_ms"] for s in bank_stats], [s["tokens_per_s"] for s in bank_stats]
     )
     provenance = {**provenance, "date": datetime.date.today().isoformat(), "hardware": hardware()}
-    bank = TopologyBank(bank_trees, bank_stats, policies, {**meta, "provenance": provenance, "simulated_tokens_per_s": {k: round(v, 3) for k, v in scores.items()}})
+    meta = {**meta, "provenance": provenance, "simulated_tokens_per_s": {k: round(v, 3) for k, v in scores.items()}}
     report = {"candidates": [{"id": t.name, **s} for t, s in zip(trees, stats)], "front": [trees[i].name for i in front], "simulated": scores}
-    return bank, report
+    if baseline is not None:
+        meta["baseline"] = {"name": baseline.name, "n_nodes": baseline.n_nodes, **summarize(measured[baseline.name])}
+        report["baseline"] = meta["baseline"]
+    return TopologyBank(bank_trees, bank_stats, policies, meta), report

@@ -221,14 +221,23 @@ def _atomic_save(obj: Any, path: Path) -> None:
 # --- draft vocabulary ----------------------------------------------------------------------------
 
 
-def draft_vocab(corpus: Corpus, k: int, vocab_size: int) -> torch.Tensor:
-    """The `k` most frequent answer tokens (ties: smaller id), sorted by id. -> (K,) long."""
-    counts = Counter()
+def draft_vocab(corpus: Corpus, k: int, vocab_size: int, prompt_tokens: list[list[int]] = ()) -> torch.Tensor:
+    """The `k` most frequent answer tokens, sorted by id. -> (K,) long.
+
+    Ties go to the smaller id. When the answers hold fewer than k distinct tokens, the rest is
+    filled with the most frequent prompt tokens (answers copy names and numbers from prompts),
+    then with the lowest unused ids.
+    """
+    answers, prompts = Counter(), Counter()
     for t in corpus.tokens:
-        counts.update(t.tolist())
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-    ids = [t for t, _ in ranked]
-    if len(ids) < k:  # a small corpus: fill with the lowest unused ids (bytes, specials)
+        answers.update(t.tolist())
+    for p in prompt_tokens:
+        prompts.update(p)
+    ids: list[int] = []
+    for counts in (answers, prompts):
+        seen = set(ids)
+        ids += [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in seen][: k - len(ids)]
+    if len(ids) < k:
         seen = set(ids)
         ids += [t for t in range(vocab_size) if t not in seen][: k - len(ids)]
     return torch.tensor(sorted(ids), dtype=torch.long)
@@ -447,7 +456,7 @@ def train_and_save(
     corpus = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "train", progress)
     corpus_s = time.perf_counter() - t0
     lm = _lm_head(model)
-    vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0])
+    vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
     flat = Flat.of(corpus)
     flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
     results = {}
@@ -456,8 +465,7 @@ def train_and_save(
         heads = new_heads(kind, cfg, model).bind(model)
         heads.set_draft_vocab(vocab)
         stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log)
-        heads.to(torch.bfloat16)  # the shipped precision; bind() casts back to the model's dtype
-        heads.bind(model)
+        heads.to(torch.bfloat16).bind(model)  # measure what ships: bf16 weights, cast back on bind()
         acc = head_accuracy(heads, heldout)
         prov = {
             **(provenance or {}),
@@ -472,8 +480,9 @@ def train_and_save(
             "training": stats,
             "heldout": {"split": "calib (self-generated answers)", "per_head": acc},
             "weights_dtype": "bfloat16",
+            "torch_threads": torch.get_num_threads(),
         }
-        save_heads(heads, out_dirs[kind], prov)
+        save_heads(heads.to(torch.bfloat16), out_dirs[kind], prov)
         results[kind] = prov
         if log is not None:
             log({"kind": kind, "heldout": acc, "seconds": stats["seconds"]})

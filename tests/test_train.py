@@ -1,0 +1,161 @@
+"""Draft-head self-distillation (entmtp.train) on the tiny random Llama."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from entmtp import data
+from entmtp.bank import TopologyBank
+from entmtp.config import TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
+from entmtp.engine import Engine, Strategy, collect
+from entmtp.heads import load_heads
+from entmtp.policy import StaticPolicy
+from entmtp.topology import compile_tree, load_named_trees
+from entmtp.train import (
+    Corpus,
+    Flat,
+    TrainError,
+    _select,
+    build_corpus,
+    corpus_plan,
+    draft_vocab,
+    generate_batch,
+    head_losses,
+    new_heads,
+    train_and_save,
+    train_heads,
+)
+
+from conftest import VOCAB, tiny_llama
+
+HAVE_GSM8K = (data.gsm8k_dir() / "gsm8k_train.jsonl").is_file() and (data.gsm8k_dir() / "gsm8k_test.jsonl").is_file()
+CFG = TrainConfig(steps=40, batch_tokens=64, lr=3e-3, warmup=5, draft_vocab=32, teacher_topk=8, checkpoint_every=10)
+
+
+def fake_encode(text: str) -> list[int]:
+    """Text -> tiny-vocabulary ids (bytes folded), short enough for the tiny model."""
+    return [1 + b % (VOCAB - 1) for b in text.encode()[:12]] or [1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(seed=5)
+
+
+@pytest.fixture(scope="module")
+def flat(tiny):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4, 6)]
+    pairs = generate_batch(tiny, prompts, 40, set(), 0)
+    corpus = Corpus([h for h, _ in pairs], [t for _, t in pairs], ["p"] * 6, ["chat"] * 6, ["self"] * 6)
+    vocab = draft_vocab(corpus, CFG.draft_vocab, VOCAB)
+    f = Flat.of(corpus)
+    f.add_teacher(tiny.get_output_embeddings().weight[vocab], CFG.teacher_topk)
+    return f, vocab
+
+
+def _bound(tiny, kind, vocab, seed=0):
+    torch.manual_seed(seed)
+    heads = new_heads(kind, CFG, tiny).bind(tiny)
+    heads.set_draft_vocab(vocab)
+    return heads
+
+
+def test_generate_batch_matches_greedy_decoding(tiny):
+    """Left-padded batched generation gives each prompt's own greedy answer and hidden states."""
+    prompts = [[3, 9, 4], [5, 6, 7, 8, 2, 11, 12]]
+    pairs = generate_batch(tiny, prompts, 10, set(), 0)
+    for p, (h, toks) in zip(prompts, pairs):
+        ref = tiny.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):]
+        assert toks.tolist() == ref.tolist()
+        with torch.no_grad():
+            assert torch.equal(tiny.get_output_embeddings()(h).argmax(-1), toks)
+
+
+@pytest.mark.parametrize("kind, factor", [("hydra", 0.8), ("medusa", 0.98)])  # Medusa sees h_t only
+def test_training_reduces_loss(tiny, flat, kind, factor, tmp_path):
+    f, vocab = flat
+    heads = _bound(tiny, kind, vocab)
+    t = f.anchors[:256]
+    before = float(head_losses(heads, f, t, True)[0].detach())
+    train_heads(heads, f, CFG, tmp_path / "ckpt.pt", progress=False)
+    after = float(head_losses(heads, f, t, True)[0].detach())
+    assert after < factor * before
+
+
+def test_resume_continues_identically(tiny, flat, tmp_path):
+    f, vocab = flat
+    straight = _bound(tiny, "hydra", vocab)
+    train_heads(straight, f, CFG, tmp_path / "a.pt", progress=False)
+    interrupted = _bound(tiny, "hydra", vocab)
+    train_heads(interrupted, f, CFG, tmp_path / "b.pt", progress=False, until=20)
+    resumed = _bound(tiny, "hydra", vocab, seed=123)  # fresh weights: everything comes from the checkpoint
+    train_heads(resumed, f, CFG, tmp_path / "b.pt", progress=False)
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(TrainError, match="another training config"):
+        train_heads(_bound(tiny, "hydra", vocab), f, replace(CFG, lr=1e-4), tmp_path / "b.pt", progress=False)
+
+
+def _tasks():
+    return [pytest.param(t, marks=pytest.mark.skipif(not HAVE_GSM8K, reason="no GSM8K")) if t == "math" else t for t in data.TASKS]
+
+
+@pytest.mark.parametrize("task", _tasks())
+def test_default_corpus_never_reads_evaluation_prompts(task):
+    """The default plan's prompts (train corpus and held-out) are disjoint from the eval split by text."""
+    evaluation = set(data.prompts(task, "eval"))
+    train, calib = set(data.prompts(task, "train")), set(data.prompts(task, "calib"))
+    approx = lambda s: [1] * (len(s) // 4)  # a token count near the real tokenizer's, for the length cap
+    cfg = TrainConfig()
+    for split, allowed in (("train", train), ("calib", calib)):
+        for t, source, n in corpus_plan(cfg, split):
+            if t != task:
+                continue
+            chosen = {p for p, _ in _select(t, split, source, n, approx, cfg.max_prompt_tokens)}
+            assert chosen and chosen <= allowed and not chosen & evaluation
+    with pytest.raises(TrainError):
+        _select(task, "eval", "self", 1, approx, cfg.max_prompt_tokens)
+
+
+@pytest.mark.skipif(not HAVE_GSM8K, reason="no GSM8K")
+def test_built_corpus_holds_training_prompts_only(tiny, tmp_path):
+    cfg = replace(CFG, self_prompts=(("code", 2), ("math", 2), ("chat", 2)), ref_prompts=(("math", 2), ("chat", 2)),
+                  heldout_prompts=1, answer_tokens=6, gen_batch=2)
+    corpus = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path, "train", progress=False)
+    assert corpus.describe()["chat/ref"]["answers"] == 2 and len(corpus) == 10
+    for task in data.TASKS:
+        mine = {p for p, t in zip(corpus.prompts, corpus.tasks) if t == task}
+        assert mine and mine <= set(data.prompts(task, "train")) and not mine & set(data.prompts(task, "eval"))
+    again = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path, "train", progress=False)  # from shards
+    assert all(torch.equal(a, b) for a, b in zip(corpus.hidden, again.hidden))
+    with pytest.raises(TrainError, match="answer_tokens"):
+        build_corpus(tiny, fake_encode, fake_encode, set(), 0, replace(cfg, answer_tokens=7), tmp_path, "train", progress=False)
+
+
+@pytest.mark.skipif(not HAVE_GSM8K, reason="no GSM8K")
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_saved_heads_reload_and_decode_like_ar(tiny, tmp_path, kind):
+    cfg = replace(CFG, steps=10, self_prompts=(("chat", 4),), ref_prompts=(("code", 2),), heldout_prompts=1,
+                  answer_tokens=16, gen_batch=4)
+    prov = train_and_save(tiny, fake_encode, fake_encode, set(), 0, cfg, [kind], {kind: tmp_path / kind}, tmp_path / "work",
+                          provenance={"command": "test"}, progress=False)[kind]
+    assert prov["command"] == "test" and prov["corpus"]["train"]["chat/self"]["answers"] == 4
+    assert len(prov["heldout"]["per_head"]) == 4
+    stored = load_file(str(tmp_path / kind / "heads.safetensors"))
+    assert {v.dtype for k, v in stored.items() if k != "draft_vocab"} == {torch.bfloat16}
+    heads = load_heads(tmp_path / kind, tiny.config).bind(tiny)
+    assert heads.draft_vocab.numel() == cfg.draft_vocab
+    engine = Engine(tiny)
+    ar = Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0))
+    tree = Strategy(kind, TopologyBank.of(load_named_trees(TREES_FILE)[BASELINE_TREE]), StaticPolicy(0), heads)
+    gen = GenerationConfig(max_new_tokens=40)
+    for prompt in ([4, 8, 15, 16, 23], [42, 7, 7, 1, 30, 2, 9, 11]):
+        want = collect(engine.generate(prompt, ar, gen))
+        got = collect(engine.generate(prompt, tree, gen))
+        assert got.token_ids == want.token_ids
+        assert got.mean_accepted >= 1.0

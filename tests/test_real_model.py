@@ -36,8 +36,10 @@ def rt(tmp_path_factory):
 
 def entmtp_strategies(rt, task):
     """The task's shipped bank when there is one, else a small bank built here."""
-    if bank_path(rt.name, task).exists():
-        return [rt.strategy(m, task) for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau")]
+    if bank_path(rt.name, task).exists():  # its three policies, and every one of its trees alone
+        bank = rt.bank(task)
+        per_tree = [Strategy(f"tree {t.name}", bank, StaticPolicy(i), rt.heads("hydra")) for i, t in enumerate(bank.trees)]
+        return [rt.strategy(m, task) for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau")] + per_tree
     trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0], [0, 0, 0]], "t4")]
     bank = TopologyBank.of(*trees)
     heads = rt.heads("hydra")

@@ -204,18 +204,15 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     }
 
 
-def pareto(stats: list[dict]) -> list[int]:
-    """Indices of trees not dominated in (step_ms lower, mean_accepted higher), by size."""
-    keep = []
-    for i, a in enumerate(stats):
-        dominated = any(
-            b["step_ms"] <= a["step_ms"] and b["mean_accepted"] >= a["mean_accepted"] and (b["step_ms"] < a["step_ms"] or b["mean_accepted"] > a["mean_accepted"])
-            for j, b in enumerate(stats)
-            if j != i
-        )
-        if not dominated:
-            keep.append(i)
-    return sorted(keep, key=lambda i: stats[i]["n_nodes"])
+def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated (smaller or equal x and larger y), sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
 
 
 # -- stage 5: policy fitting by simulation ------------------------------------------------------
@@ -364,7 +361,7 @@ def build_bank(
     stats = []
     for t, c in zip(trees, cands):
         stats.append({"n_nodes": t.n_nodes, "predicted": round(c["predicted"], 4), **summarize(measured[t.name])})
-    front = pareto(stats)
+    front = sorted(pareto([(s["step_ms"], s["mean_accepted"]) for s in stats]), key=lambda i: stats[i]["n_nodes"])
     bank_trees = [trees[i] for i in front]
     bank_stats = [{k: stats[i][k] for k in ("mean_accepted", "step_ms", "tokens_per_s")} for i in front]
     policies, scores = fit_policies(

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .bank import TopologyBank
+from .calibrate import pareto
 from .engine import StepRecord
 from .topology import Tree
 
@@ -279,17 +280,6 @@ def tree_figure(
     title = title or f"Tree {tree.name}: {tree.n_nodes} nodes, {len(acc)} accepted"
     subtitle = subtitle or "one column per draft head; labels are the drafted tokens (␣ space, ↵ newline); orange = accepted"
     return _layout(fig, title, height, subtitle)
-
-
-def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points not dominated (fewer or equal x and larger y), sorted by x."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
-    front, best = [], float("-inf")
-    for i in order:
-        if points[i][1] > best:
-            front.append(i)
-            best = points[i][1]
-    return front
 
 
 def front_figure(bank: TopologyBank, baseline: dict | None = None, height: int = 440) -> go.Figure:

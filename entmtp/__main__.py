@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import kernels
 from .bench import BenchConfig
 from .calibrate import BankBuildConfig
 from .config import BASELINE_TREE, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
@@ -54,13 +55,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="default alias, hub id or local path (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--kernels", default=d.kernels, choices=["packed", "stock"],
+                   help="packed: oneDNN prepacked float32 linears on CPU; stock: plain PyTorch (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
     p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device)
+    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,6 +343,7 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
         "calibration": calibration,
         "command": "python -m entmtp " + " ".join(args.argv),
         "dtype": str(rt.model.dtype).replace("torch.", ""),
+        "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
     }
 
     def progress(it, desc, total):
@@ -404,6 +408,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "hardware": hardware(),
         "model": rt.name,
         "dtype": str(rt.model.dtype).replace("torch.", ""),
+        "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
         "max_new_tokens": cfg.max_new_tokens,
         "prompts": len(items),
         "command": "python -m entmtp " + " ".join(args.argv),

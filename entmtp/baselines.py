@@ -16,6 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .config import GenerationConfig, PromptLookupConfig
 from .engine import StepRecord
+from .kernels import stock_kernels
 
 
 class _ChunkStreamer(BaseStreamer):
@@ -61,7 +62,7 @@ def hf_generate(
         try:
             if gen.temperature > 0:
                 torch.manual_seed(gen.seed)
-            with torch.inference_mode():
+            with torch.inference_mode(), stock_kernels():  # transformers as a user gets it
                 model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         except Exception as e:  # handed to the consuming thread, which re-raises it
             out.put(("error", time.perf_counter(), e))

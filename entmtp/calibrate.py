@@ -49,8 +49,8 @@ class BankBuildConfig:
     measure_prompts: int = 10
     measure_new_tokens: int = 64
     max_depth: int = 4
-    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # candidate drafted-node counts
-    max_candidates: int = 7  # trees measured in stages 3+4, the root-only tree included
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate drafted-node counts
+    max_candidates: int = 8  # trees measured in stages 3+4, the root-only tree included
     warmup_new_tokens: int = 8
 
 

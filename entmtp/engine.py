@@ -17,7 +17,7 @@ from . import drafting, kv, verify
 from .bank import TopologyBank
 from .config import GenerationConfig
 from .heads import DraftHeads
-from .policy import Policy, confidence
+from .policy import Policy, confidence, path_value
 
 PHASES = ("schedule", "draft", "verify", "accept", "kv")
 
@@ -54,7 +54,7 @@ class StepRecord:
     tree_nodes: int
     s: float
     entropy: float
-    path_value: float  # value of the heads' top-1 path (g_D)
+    path_value: float  # value of the heads' top-1 path through the chosen tree's depth (g_D)
     accepted: int  # tokens emitted this step
     accepted_nodes: list[int]  # node ids of the accepted path in the tree
     draft_tokens: list[int]  # candidate token per tree node, root first
@@ -126,7 +126,6 @@ class Engine:
         model, device, bank, heads = self.model, self.device, strategy.bank, strategy.heads
         sampling = gen.temperature > 0
         rng = torch.Generator().manual_seed(gen.seed)
-        chain_depth = bank.max_depth if heads is not None else 0
         choose = strategy.policy.chooser()
         ctx = heads.new_context() if heads is not None else None
         cache = self.new_cache()
@@ -143,13 +142,15 @@ class Engine:
 
         while True:
             t0 = time.perf_counter()
-            # schedule: confidence feature from z and the heads' top-1 path, then the policy
-            chain, chain_probs = drafting.top1_chain(heads, feature, root, chain_depth) if chain_depth else ([], [])
-            s, entropy, path_value = confidence(z, chain_probs)
+            # schedule: confidence s from z, the policy's tree, the heads' top-1 path to its depth
+            s, entropy = confidence(z)
             idx = choose(s)
             tree = bank[idx]
             if past + tree.n_nodes > self.max_positions:
                 tree, idx = bank[0], 0  # near the context end fall back to the bank's smallest tree
+            depth = tree.max_depth if heads is not None else 0
+            chain, chain_probs = drafting.top1_chain(heads, feature, root, depth) if depth else ([], [])
+            value = path_value(s, chain_probs)
             t1 = time.perf_counter()
             # draft
             tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
@@ -197,7 +198,7 @@ class Engine:
                 tree_nodes=tree.n_nodes,
                 s=s,
                 entropy=entropy,
-                path_value=path_value,
+                path_value=value,
                 accepted=len(emitted),
                 accepted_nodes=path[: len(emitted)],
                 draft_tokens=tok_list,

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import kernels
+
 FORMAT = "entmtp-heads"
 FORMAT_VERSION = 1
 CONFIG_FILE = "heads.json"
@@ -60,6 +62,8 @@ class DraftHeads(nn.Module):
         self.register_buffer("draft_vocab", torch.empty(0, dtype=torch.long), persistent=False)
         self.provenance: dict[str, Any] = {}
         self._base: dict[str, Any] = {}
+        self._lm_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._lm_packed: dict[int, nn.Module] | None = None  # set by pack()
 
     # -- binding to a base model -------------------------------------------------------------
     def bind(self, model: nn.Module) -> "DraftHeads":
@@ -75,6 +79,7 @@ class DraftHeads(nn.Module):
         self.draft_vocab = self.draft_vocab.to(w.device)
         self._base = {"embed": model.get_input_embeddings(), "lm_head": lm_head}
         self._lm_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._lm_packed = None
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
@@ -83,7 +88,7 @@ class DraftHeads(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise HeadsError(f"draft vocabulary holds ids outside [0, {self.vocab_size})")
         self.draft_vocab = ids.to(self.draft_vocab.device)
-        self._lm_cache = {}
+        self._lm_cache, self._lm_packed = {}, None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._base["embed"](ids)
@@ -109,7 +114,19 @@ class DraftHeads(nn.Module):
             lin = self._base["lm_head"] if self.shared_lm_head else self.own_lm_head(i)
             return lin(x)
         w, b = self._lm_weights(i)
-        return F.linear(x, w, b)
+        packed = self._lm_packed.get(-1 if self.shared_lm_head else i) if self._lm_packed is not None else None
+        return packed(x) if packed is not None else F.linear(x, w, b)
+
+    def pack(self) -> "DraftHeads":
+        """For inference on a CPU in float32: prepack every linear layer, draft LM head included."""
+        w = self._base["lm_head"].weight if self._base else next(self.parameters()).detach()
+        if kernels.available(w.device, w.dtype):
+            kernels.pack_linears(self)
+            self._lm_packed = {}
+            for i in range(self.num_heads) if not self.shared_lm_head else [0]:
+                key = -1 if self.shared_lm_head else i
+                self._lm_packed[key] = kernels.PackedLinear(*self._lm_weights(i))
+        return self
 
     def to_token_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices back to token ids."""

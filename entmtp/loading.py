@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import kernels
 from .bank import BankError, TopologyBank, load_bank
 from .config import (
     BANKS_DIR,
@@ -149,6 +150,10 @@ def load_model(cfg: ModelConfig = ModelConfig()):
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(device)
+    if cfg.kernels not in ("packed", "stock"):
+        raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
+    if cfg.kernels == "packed":
+        kernels.pack_linears(model)  # CPU float32 only; a no-op elsewhere
     return model.eval(), tok
 
 
@@ -187,7 +192,8 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         loaded = load_heads(path, cfg)
         if loaded.kind != kind:
             raise LoadError(f"{path} holds {loaded.kind} heads, {kind} heads are needed")
-        return loaded.bind(model)
+        loaded.bind(model)
+        return loaded.pack() if kernels.is_packed(model) else loaded
     except HeadsError as e:
         raise LoadError(f"heads {path}: {e}") from None
 

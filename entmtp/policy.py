@@ -12,22 +12,26 @@ import torch
 Chooser = Callable[[float], int]
 
 
-def confidence(z: torch.Tensor, chain_probs: list[float]) -> tuple[float, float, float]:
-    """(s, entropy, path value) from base logits z (V,) and the heads' top-1 path probs p_1..p_D.
+def confidence(z: torch.Tensor) -> tuple[float, float]:
+    """(s, entropy) from the base logits z (V,) at the last accepted position.
 
-    g_d = p0 * p_1 * ... * p_d is the value of the top-1 path to depth d (EAGLE-2's path value)
-    and s = max(p0, g_1, ..., g_D). Every g_d <= p0, so s equals p0 exactly; the full path value
-    g_D is returned as well because it says how deep the heads are confident.
+    DESIGN defines s = max(p0, g_1, ..., g_D) with g_d = p0 * p_1 * ... * p_d the value of the
+    heads' top-1 path to depth d (EAGLE-2's path value). Every g_d <= p0, so s is p0 exactly:
+    the policy can pick a tree before any head runs, and the heads then run only as deep as
+    that tree needs.
     """
     logp = torch.log_softmax(z.float(), -1)
     p = logp.exp()
-    p0 = float(p.max())
     entropy = float(-(p * logp).sum())
-    g = best = p0
+    return float(p.max()), (0.0 if math.isnan(entropy) else entropy)
+
+
+def path_value(p0: float, chain_probs: list[float]) -> float:
+    """g_D = p0 * p_1 * ... * p_D: how confident the heads are along their top-1 path."""
+    g = p0
     for pd in chain_probs:
         g *= pd
-        best = max(best, g)
-    return best, (0.0 if math.isnan(entropy) else entropy), g
+    return g
 
 
 @dataclass(frozen=True)

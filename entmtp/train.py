@@ -144,6 +144,9 @@ def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
     return [(t, "self", n) for t, n in cfg.self_prompts] + [(t, "ref", n) for t, n in cfg.ref_prompts]
 
 
+SORT_BLOCK = 64  # prompts sorted by length together; a larger --self-prompts count reuses earlier shards
+
+
 def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple[str, str]]:
     """The first `n` (prompt, reference) of a split whose prompt fits `max_prompt` tokens."""
     if split == "eval":
@@ -180,8 +183,8 @@ def build_corpus(
     corpus = Corpus()
     for task, source, n in corpus_plan(cfg, split):
         rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
-        if source == "self":  # similar lengths in a batch: less padding
-            rows = sorted(rows, key=lambda r: len(encode(r[0])))
+        if source == "self":  # similar lengths in a batch: less padding; blocks keep shards valid as n grows
+            rows = [r for i in range(0, len(rows), SORT_BLOCK) for r in sorted(rows[i : i + SORT_BLOCK], key=lambda r: len(encode(r[0])))]
         size = cfg.gen_batch if source == "self" else cfg.ref_batch
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
         bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)

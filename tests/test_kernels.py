@@ -1,0 +1,100 @@
+"""Prepacked float32 linears (entmtp.kernels): same numbers as F.linear, same tokens as generate."""
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entmtp import kernels
+from entmtp.bank import TopologyBank
+from entmtp.config import TREES_FILE, GenerationConfig
+from entmtp.engine import Engine, Strategy, collect
+from entmtp.policy import StaticPolicy, TauPolicy
+from entmtp.topology import chain, compile_tree, load_named_trees
+from conftest import random_heads, tiny_llama
+
+pytestmark = pytest.mark.skipif(not kernels.available("cpu", torch.float32), reason="PyTorch without oneDNN")
+
+
+def packed_copy(model):
+    m = copy.deepcopy(model)
+    n = kernels.pack_linears(m)
+    assert n == sum(isinstance(x, torch.nn.Linear) for x in model.modules()) and kernels.is_packed(m)
+    return m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_packed_linear_matches_f_linear(bias, rows):
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    packed = kernels.PackedLinear.of(lin)
+    x = torch.randn(1, rows, 96)
+    with torch.inference_mode():
+        ref = F.linear(x, lin.weight, lin.bias)
+        got = packed(x)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        with kernels.stock_kernels():  # the switch gives stock F.linear bit for bit
+            assert torch.equal(packed(x), ref)
+        assert not kernels.stock()
+
+
+def test_stock_switch_is_per_thread():
+    seen = {}
+
+    def other():
+        seen["other"] = kernels.stock()
+
+    with kernels.stock_kernels():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        seen["here"] = kernels.stock()
+    assert seen == {"other": False, "here": True}
+
+
+def test_gradients_fall_back_to_stock():
+    lin = torch.nn.Linear(8, 4)
+    packed = kernels.PackedLinear.of(lin)
+    x = torch.randn(3, 8, requires_grad=True)
+    packed(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def reference(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("seed, vocab", [(0, 48), (5, 12)])
+def test_packed_engine_equals_stock_generate(prompts, seed, vocab):
+    """Engine on a packed copy (base and heads) vs `generate` on the untouched model."""
+    stock_model = tiny_llama(seed=seed, vocab=vocab)
+    model = packed_copy(stock_model)
+    trees = [compile_tree([], "ar"), compile_tree(chain(3), "c3"), load_named_trees(TREES_FILE)["mc_sim_7b_63"]]
+    for kind in ("hydra", "medusa"):
+        heads = random_heads(model, kind).pack()
+        assert kernels.is_packed(heads)
+        for prompt in prompts:
+            prompt = [t % vocab for t in prompt]
+            ref = reference(stock_model, prompt, 30)
+            for tree in trees:
+                strategy = Strategy("t", TopologyBank.of(tree), StaticPolicy(0), heads if tree.n_nodes > 1 else None)
+                assert collect(Engine(model, ()).generate(prompt, strategy, GenerationConfig(max_new_tokens=30))).token_ids == ref
+            bank = TopologyBank.of(trees[1], trees[2])
+            strategy = Strategy("tau", bank, TauPolicy(0, 1, 0.5, 0.3), heads)
+            assert collect(Engine(model, ()).generate(prompt, strategy, GenerationConfig(max_new_tokens=30))).token_ids == ref
+
+
+def test_packed_heads_draft_like_stock_heads():
+    model = tiny_llama()
+    heads = random_heads(model, "hydra")
+    packed = copy.deepcopy(heads).bind(model).pack()
+    feature = torch.randn(3, model.config.hidden_size)
+    path = torch.randint(0, model.config.vocab_size, (3, 2))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed.head_logits(1, feature, path), heads.head_logits(1, feature, path), rtol=1e-5, atol=1e-5)

@@ -69,7 +69,7 @@ class TrainConfig:
 
     # corpus (training splits only): prompts per task answered greedily by the base model
     # ("self") and prompts whose reference answer is read teacher-forced ("ref")
-    self_prompts: tuple = (("code", 75), ("math", 64), ("chat", 64))
+    self_prompts: tuple = (("code", 75), ("math", 128), ("chat", 288))
     ref_prompts: tuple = (("code", 75), ("math", 500), ("chat", 400))
     heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
     answer_tokens: int = 160  # longest answer kept (generated or reference)
@@ -80,7 +80,7 @@ class TrainConfig:
     num_heads: int = 4
     num_layers: int = 1
     arch: str = "mlp"  # mlp (prefix-mlp, Hydra++, is not trained here)
-    steps: int = 600
+    steps: int = 900
     batch_tokens: int = 384  # anchors per step (each trains every head)
     lr: float = 1e-3
     warmup: int = 30

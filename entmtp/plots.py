@@ -138,7 +138,8 @@ def features_figure(
     `tau` = (tau_on, tau_off) draws the hysteresis thresholds on the s axis.
     """
     title = "What the policy sees, and the tree it picks"
-    sub = "s = the model's top-1 probability (high → bigger tree); dotted: entropy of its next-token distribution"
+    sub = ("s = the model's top-1 probability (high → bigger tree); g_D = s × the heads' top-1 probabilities "
+           "down the chosen tree; dotted: entropy")
     if not records:
         return empty_figure(title, "The scheduler's feature and choice per step appear here.", height, sub)
     fig = make_subplots(
@@ -151,6 +152,13 @@ def features_figure(
             x=steps, y=[r.s for r in records], mode="lines+markers", name="s = top-1 prob",
             line=dict(color=COLORS[0], width=2), marker=dict(size=4),
             hovertemplate="step %{x}: s = %{y:.3f}<extra></extra>",
+        ),
+        row=1, col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=steps, y=[r.path_value for r in records], mode="lines", name="path value g_D",
+            line=dict(color=COLORS[2], width=1.4), hovertemplate="step %{x}: g_D = %{y:.3f}<extra></extra>",
         ),
         row=1, col=1,
     )

@@ -18,6 +18,7 @@ trainer's state every `checkpoint_every` steps; a rerun resumes where it stopped
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -144,7 +145,7 @@ def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
     return [(t, "self", n) for t, n in cfg.self_prompts] + [(t, "ref", n) for t, n in cfg.ref_prompts]
 
 
-SORT_BLOCK = 64  # prompts sorted by length together; a larger --self-prompts count reuses earlier shards
+SORT_BLOCK = 64  # prompts sorted by length together, so a larger --self-prompts count keeps earlier batches
 
 
 def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple[str, str]]:
@@ -189,11 +190,11 @@ def build_corpus(
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
         bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)
         for k, batch in enumerate(bar):
-            shard = folder / f"{task}-{source}-{k:04d}.pt"
+            texts = [p for p, _ in batch]
+            digest = hashlib.sha1("\0".join(texts).encode()).hexdigest()[:10]  # a shard is its prompts
+            shard = folder / f"{task}-{source}-{k:04d}-{digest}.pt"
             if shard.exists():
                 part = torch.load(shard, weights_only=True)
-                if part["prompts"] != [p for p, _ in batch]:
-                    raise TrainError(f"{shard} was built from other prompts; use a fresh work folder")
             else:
                 if source == "self":
                     pairs = generate_batch(model, [encode(p) for p, _ in batch], cfg.answer_tokens, eos, pad)

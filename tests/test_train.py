@@ -159,3 +159,20 @@ def test_saved_heads_reload_and_decode_like_ar(tiny, tmp_path, kind):
         got = collect(engine.generate(prompt, tree, gen))
         assert got.token_ids == want.token_ids
         assert got.mean_accepted >= 1.0
+
+
+def test_growing_the_corpus_reuses_its_shards(tiny, tmp_path, monkeypatch):
+    """Shards are named by their prompts; length-sorting within blocks keeps earlier batches whole."""
+    from entmtp import train
+
+    calls = []
+    real = train.generate_batch
+    monkeypatch.setattr(train, "generate_batch", lambda m, p, *a: calls.append(len(p)) or real(m, p, *a))
+    monkeypatch.setattr(train, "SORT_BLOCK", 2)
+    cfg = replace(CFG, self_prompts=(("chat", 2),), ref_prompts=(), answer_tokens=6, gen_batch=2)
+    small = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path, "train", progress=False)
+    assert calls == [2]
+    grown = build_corpus(tiny, fake_encode, fake_encode, set(), 0, replace(cfg, self_prompts=(("chat", 5),)), tmp_path,
+                         "train", progress=False)
+    assert calls == [2, 2, 1]  # the first batch came from its shard
+    assert grown.prompts[:2] == small.prompts and all(torch.equal(a, b) for a, b in zip(small.hidden, grown.hidden))

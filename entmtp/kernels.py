@@ -6,8 +6,9 @@ for small row counts; oneDNN with weights packed once does not. Measured on this
 2-core machine (SmolLM2-135M's 210 linear layers, float32, medians): 1 row 41-52 ms -> 27 ms,
 5 rows 41-67 -> 21 ms, 16 rows 64 -> 32 ms; its 49,152-row LM head 12.2 -> 5.6 ms for 1 row.
 
-The arithmetic is float32 throughout (results agree with `F.linear` to ~1e-6), and the engine's
-outputs are checked token for token against stock `generate`. The `hf` baselines run under
+The base model's arithmetic stays float32 (results agree with `F.linear` to ~1e-6), and the
+engine's outputs are checked token for token against stock `generate`. Draft heads, whose
+outputs are only proposals, are packed in bfloat16 where the CPU supports it (`DraftHeads.pack`). The `hf` baselines run under
 `stock_kernels()`, so they measure transformers as a user gets it.
 """
 
@@ -25,14 +26,15 @@ _local = threading.local()
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Packing applies to float32 weights on a CPU whose PyTorch build has oneDNN."""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """Packing applies on a CPU whose PyTorch build has oneDNN: float32, or bfloat16 where the
+    CPU has native bf16 support."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 @contextmanager
@@ -75,7 +77,7 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every float32 CPU `nn.Linear` under `module` by a `PackedLinear`; returns how many."""
+    """Replace every CPU `nn.Linear` of a packable dtype under `module` by a `PackedLinear`; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and available(child.weight.device, child.weight.dtype):

@@ -153,7 +153,7 @@ def load_model(cfg: ModelConfig = ModelConfig()):
     if cfg.kernels not in ("packed", "stock"):
         raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
     if cfg.kernels == "packed":
-        kernels.pack_linears(model)  # CPU float32 only; a no-op elsewhere
+        kernels.pack_linears(model)  # CPU only; a no-op on GPUs
     return model.eval(), tok
 
 

@@ -23,6 +23,10 @@ from .topology import Tree
 COLORS = ("#e8590c", "#1c7ed6", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599")
 TREE_COLORS = ("#20c997", "#7950f2", "#fab005", "#e64980", "#15aabf", "#82c91e", "#fd7e14", "#4c6ef5")  # by bank index
 MUTED = "#adb5bd"
+METHOD_COLORS = {  # baselines in greys and blues, EntMTP in warm colours
+    "ar": "#868e96", "hf": "#495057", "hf-lookup": "#74c0fc", "medusa": "#1c7ed6", "hydra": "#364fc7",
+    "entmtp-static": "#f08c00", "entmtp-ladder": "#e8590c", "entmtp-tau": "#c92a2a",
+}
 FONT = dict(family="Inter, system-ui, sans-serif", size=12, color="#212529")
 
 
@@ -337,7 +341,7 @@ def front_figure(bank: TopologyBank, baseline: dict | None = None, height: int =
                 fig.add_trace(
                     go.Scatter(x=[baseline["n_nodes"]], y=[baseline[key]], mode="markers+text",
                                marker=dict(symbol="x", size=11, color=COLORS[1]), text=[baseline["name"]],
-                               textposition="bottom center", name=baseline["name"], showlegend=col == 1),
+                               textposition="bottom left", name=baseline["name"], showlegend=col == 1),
                     row=1, col=col,
                 )
             else:  # unmeasured: a dashed vertical line across the measured range
@@ -367,7 +371,7 @@ def bench_figure(results: Sequence[dict], height: int = 420) -> go.Figure:
             y=[rows[t]["speedup_vs_ar"] if t in rows else None for t in tasks],
             text=[f"{rows[t]['speedup_vs_ar']:.2f}×" if t in rows else "" for t in tasks],
             textposition="outside",
-            marker_color=COLORS[i % len(COLORS)] if i < len(COLORS) else TREE_COLORS[i % len(TREE_COLORS)],
+            marker_color=METHOD_COLORS.get(m, TREE_COLORS[i % len(TREE_COLORS)]),
             customdata=[[rows[t]["tokens_per_s"], rows[t]["mean_accepted"]] if t in rows else [None, None] for t in tasks],
             hovertemplate="%{x} · " + m + "<br>%{y:.2f}× plain decoding<br>%{customdata[0]:.1f} tok/s, %{customdata[1]:.2f} tokens/step<extra></extra>",
         )

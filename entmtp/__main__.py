@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--kernels", default=d.kernels, choices=["packed", "stock"],
-                   help="packed: oneDNN prepacked float32 linears on CPU; stock: plain PyTorch (default: %(default)s)")
+                   help="packed: oneDNN prepacked linears on CPU; stock: plain PyTorch (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
     p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")

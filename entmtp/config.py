@@ -40,7 +40,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"  # tree masks need eager or sdpa, never flash-attention-2
     cache_dir: Path | None = None  # where the dequantised default model is kept (None: ~/.cache/entmtp)
-    kernels: str = "packed"  # packed: oneDNN prepacked linears on CPU float32 (see kernels.py) | stock
+    kernels: str = "packed"  # packed: oneDNN prepacked linears on CPU (see kernels.py) | stock
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,12 @@ class DraftHeads(nn.Module):
     def own_lm_head(self, i: int) -> nn.Linear:
         raise NotImplementedError
 
+    def _lm_key(self, i: int) -> int:
+        return -1 if self.shared_lm_head else i
+
     def _lm_weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(K, H) weight and (K,) bias of head i's LM head, restricted to the draft vocabulary."""
-        key = -1 if self.shared_lm_head else i
+        key = self._lm_key(i)
         if key not in self._lm_cache:
             lin = self._base["lm_head"] if self.shared_lm_head else self.own_lm_head(i)
             w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
@@ -114,9 +117,9 @@ class DraftHeads(nn.Module):
         if full_vocab:
             lin = self._base["lm_head"] if self.shared_lm_head else self.own_lm_head(i)
             return lin(x)
-        w, b = self._lm_weights(i)
-        packed = self._lm_packed.get(-1 if self.shared_lm_head else i) if self._lm_packed is not None else None
-        return packed(x) if packed is not None else F.linear(x, w, b)
+        if self._lm_packed is not None:
+            return self._lm_packed[self._lm_key(i)](x)
+        return F.linear(x, *self._lm_weights(i))
 
     def pack(self) -> "DraftHeads":
         """Inference on a CPU: every linear prepacked for oneDNN, in bfloat16 where the CPU has it.
@@ -135,10 +138,12 @@ class DraftHeads(nn.Module):
             kernels.pack_linears(child)
         self.compute_dtype = dtype
         self._lm_packed = {}
-        for i in [0] if self.shared_lm_head else range(self.num_heads):
-            weight, bias = self._lm_weights(i)
-            packed = kernels.PackedLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
-            self._lm_packed[-1 if self.shared_lm_head else i] = packed
+        for i in range(self.num_heads):
+            if self._lm_key(i) not in self._lm_packed:
+                weight, bias = self._lm_weights(i)
+                bias = None if bias is None else bias.to(dtype)
+                self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
+        self._lm_cache = {}  # the packed copies replace the float32 slices
         return self
 
     def to_token_ids(self, idx: torch.Tensor) -> torch.Tensor:

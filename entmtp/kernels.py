@@ -8,8 +8,8 @@ for small row counts; oneDNN with weights packed once does not. Measured on this
 
 The base model's arithmetic stays float32 (results agree with `F.linear` to ~1e-6), and the
 engine's outputs are checked token for token against stock `generate`. Draft heads, whose
-outputs are only proposals, are packed in bfloat16 where the CPU supports it (`DraftHeads.pack`). The `hf` baselines run under
-`stock_kernels()`, so they measure transformers as a user gets it.
+outputs are only proposals, are packed in bfloat16 where the CPU supports it (`DraftHeads.pack`).
+The `hf` baselines run under `stock_kernels()`, so they measure transformers as a user gets it.
 """
 
 from __future__ import annotations

@@ -132,6 +132,8 @@ def load_model(cfg: ModelConfig = ModelConfig()):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if cfg.kernels not in ("packed", "stock"):
+        raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = _default_model_dir(cfg) if cfg.model == DEFAULT_MODEL else cfg.model
@@ -150,8 +152,6 @@ def load_model(cfg: ModelConfig = ModelConfig()):
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(device)
-    if cfg.kernels not in ("packed", "stock"):
-        raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
     if cfg.kernels == "packed":
         kernels.pack_linears(model)  # CPU only; a no-op on GPUs
     return model.eval(), tok

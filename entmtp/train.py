@@ -148,6 +148,14 @@ def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
 SORT_BLOCK = 64  # prompts sorted by length together, so a larger --self-prompts count keeps earlier batches
 
 
+def _length_sorted_blocks(rows: list[tuple[str, str]], encode: Encode) -> list[tuple[str, str]]:
+    """Rows sorted by prompt length within consecutive blocks of SORT_BLOCK."""
+    out = []
+    for i in range(0, len(rows), SORT_BLOCK):
+        out += sorted(rows[i : i + SORT_BLOCK], key=lambda r: len(encode(r[0])))
+    return out
+
+
 def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple[str, str]]:
     """The first `n` (prompt, reference) of a split whose prompt fits `max_prompt` tokens."""
     if split == "eval":
@@ -184,8 +192,8 @@ def build_corpus(
     corpus = Corpus()
     for task, source, n in corpus_plan(cfg, split):
         rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
-        if source == "self":  # similar lengths in a batch: less padding; blocks keep shards valid as n grows
-            rows = [r for i in range(0, len(rows), SORT_BLOCK) for r in sorted(rows[i : i + SORT_BLOCK], key=lambda r: len(encode(r[0])))]
+        if source == "self":  # similar lengths in a batch: less padding
+            rows = _length_sorted_blocks(rows, encode)
         size = cfg.gen_batch if source == "self" else cfg.ref_batch
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
         bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)
@@ -200,7 +208,7 @@ def build_corpus(
                     pairs = generate_batch(model, [encode(p) for p, _ in batch], cfg.answer_tokens, eos, pad)
                 else:
                     pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
-                part = {"prompts": [p for p, _ in batch], "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
+                part = {"prompts": texts, "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
                 _atomic_save(part, shard)
             keep = [i for i, t in enumerate(part["tokens"]) if len(t) >= 2]
             corpus.extend(

@@ -16,16 +16,32 @@ ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # the tiny model's ops are microseconds: thread hand-offs would dominate
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+def tiny_config(vocab: int, max_positions: int, **kw) -> LlamaConfig:
+    """The shape every tiny test model shares: 2 layers, hidden 32, 4 heads over 2 KV heads."""
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
+        **kw,
+    )
+
+
+def reference(model, prompt: list[int], n: int) -> list[int]:
+    """transformers `generate`, greedy: the tokens every engine output must equal."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = tiny_config(
+        vocab,
+        256,
         initializer_range=0.2,  # peaked distributions: exercises acceptance and sampling
         tie_word_embeddings=False,
         bos_token_id=0,
@@ -88,14 +104,9 @@ def tiny_dir(tmp_path_factory):
     gguf = default_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=160,
+    cfg = tiny_config(
+        len(tok),
+        160,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
     )

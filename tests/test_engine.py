@@ -14,15 +14,9 @@ from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.engine import Engine, GenerationError, Strategy, collect
 from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import chain, compile_tree, load_named_trees
-from conftest import random_heads, random_tree, tiny_llama
+from conftest import random_heads, random_tree, reference, tiny_llama
 
 NAMED = load_named_trees(TREES_FILE)
-
-
-def reference(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
 
 
 def run(model, prompt, tree_or_bank, heads=None, policy=None, n=30, eos=(), **gen):

@@ -13,7 +13,7 @@ from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.engine import Engine, Strategy, collect
 from entmtp.policy import StaticPolicy, TauPolicy
 from entmtp.topology import chain, compile_tree, load_named_trees
-from conftest import random_heads, tiny_llama
+from conftest import random_heads, reference, tiny_llama
 
 pytestmark = pytest.mark.skipif(not kernels.available("cpu", torch.float32), reason="PyTorch without oneDNN")
 
@@ -62,12 +62,6 @@ def test_gradients_fall_back_to_stock():
     x = torch.randn(3, 8, requires_grad=True)
     packed(x).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
-
-
-def reference(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("seed, vocab", [(0, 48), (5, 12)])

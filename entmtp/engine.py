@@ -90,9 +90,7 @@ class Engine:
         self._warm: set[int] = set()
 
     def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        return kv.new_cache(self.model.config)
 
     @torch.inference_mode()
     def warmup(self, sizes: list[int], context: int = 64) -> None:

@@ -1,8 +1,80 @@
-"""Commit the accepted path in the KV cache: keep its entries, contiguous, drop the rest."""
+"""The decode loop's KV cache: preallocated per layer, and commit of the accepted path."""
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """A `DynamicLayer` that writes new entries into a preallocated buffer instead of `torch.cat`.
+
+    `keys`/`values` are views of the first `length` positions, so a step appends its block in
+    place (the stock layer copies the whole cache every step), `crop` only shortens the views,
+    and `commit` moves the accepted entries inside the buffer. Capacity doubles when full.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self._k = self._v = None
+        self.is_initialized = True
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+        if self._k is not None and need <= self._k.shape[-2]:
+            return
+        cap = max(256, need, 2 * (0 if self._k is None else self._k.shape[-2]))
+        k = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+        v = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+        if self.length:
+            k[..., : self.length, :] = self._k[..., : self.length, :]
+            v[..., : self.length, :] = self._v[..., : self.length, :]
+        self._k, self._v = k, v
+
+    def _views(self) -> None:
+        self.keys = self._k[..., : self.length, :]
+        self.values = self._v[..., : self.length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(key_states, value_states, self.length + n)
+        self._k[..., self.length : self.length + n, :] = key_states
+        self._v[..., self.length : self.length + n, :] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count: the number of entries to drop")
+        if tokens_to_remove and self.is_initialized:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized and self._k is not None:
+            self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the decode loop runs batch 1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the decode loop runs batch 1")
+
+
+def new_cache(config):
+    """A `DynamicCache` whose full-attention layers are `BufferedLayer`s (sliding ones stay stock)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def commit(cache, past: int, accepted: list[int], n_tree: int) -> None:

@@ -154,6 +154,7 @@ def load_model(cfg: ModelConfig = ModelConfig()):
         model.to(device)
     if cfg.kernels == "packed":
         kernels.pack_linears(model)  # CPU only; a no-op on GPUs
+        kernels.use_tree_attention(model)  # grouped-query tree blocks without copying key/value heads
     return model.eval(), tok
 
 

@@ -22,6 +22,8 @@ def packed_copy(model):
     m = copy.deepcopy(model)
     n = kernels.pack_linears(m)
     assert n == sum(isinstance(x, torch.nn.Linear) for x in model.modules()) and kernels.is_packed(m)
+    assert kernels.use_tree_attention(m) and m.config._attn_implementation == kernels.ATTENTION
+    assert model.config._attn_implementation == "sdpa"  # the untouched copy keeps stock attention
     return m
 
 
@@ -96,3 +98,50 @@ def test_packed_heads_draft_like_stock_heads():
         got, want = packed.head_logits(1, feature, path), heads.head_logits(1, feature, path)
         tol = 0.05 if bf16 else 1e-5  # bf16 keeps 8 mantissa bits
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_tree_attention_equals_stock_sdpa(n):
+    """Grouped queries stacked over their key/value head == stock `repeat_kv` SDPA, on a tree mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(n)
+    past, dim = 37, 16
+    q = torch.randn(1, n, 6, dim).transpose(1, 2)  # as the model hands it over: (B, heads, Q, D), strided
+    k, v = torch.randn(1, 2, past + n, dim), torch.randn(1, 2, past + n, dim)
+    tree = torch.rand(n, n) < 0.5
+    tree = torch.tril(tree) | torch.eye(n, dtype=torch.bool)
+    mask = torch.zeros(n, past + n)
+    mask[:, past:][~tree] = torch.finfo(torch.float32).min
+    mask = mask[None, None]
+    got, _ = kernels.tree_sdpa(_Attn(), q, k, v, mask, scaling=dim**-0.5)
+    want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=dim**-0.5)
+    assert got.shape == want.shape == (1, n, 6, dim)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with kernels.stock_kernels():  # the switch restores transformers' own code path exactly
+        assert torch.equal(kernels.tree_sdpa(_Attn(), q, k, v, mask, scaling=dim**-0.5)[0], want)
+
+
+def test_buffered_cache_layer_matches_dynamic_layer():
+    """Appends past the first capacity, crops and in-place commits agree with the stock layer."""
+    from transformers.cache_utils import DynamicLayer
+
+    from entmtp.kv import BufferedLayer
+
+    torch.manual_seed(0)
+    ours, stock = BufferedLayer(), DynamicLayer()
+    for n, drop in ((200, 0), (9, 7), (100, 0), (5, 3), (1, 0)):  # 200 + 9 + 100 > 256: grows once
+        k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        a, b = ours.update(k, v), stock.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        ours.crop(-drop)
+        stock.crop(-drop)
+        assert ours.get_seq_length() == stock.get_seq_length()
+    assert ours._k.shape[-2] == 512
+    torch.testing.assert_close(ours.keys, stock.keys, rtol=0, atol=0)
+    torch.testing.assert_close(ours.values, stock.values, rtol=0, atol=0)

@@ -10,6 +10,9 @@ The base model's arithmetic stays float32 (results agree with `F.linear` to ~1e-
 engine's outputs are checked token for token against stock `generate`. Draft heads, whose
 outputs are only proposals, are packed in bfloat16 where the CPU supports it (`DraftHeads.pack`).
 The `hf` baselines run under `stock_kernels()`, so they measure transformers as a user gets it.
+
+`tree_sdpa` is the attention counterpart: the tree verification's masked query block attends
+grouped-query heads without materialising the repeated key/value heads.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class TrainConfig:
     # corpus (training splits only): prompts per task answered greedily by the base model
     # ("self") and prompts whose reference answer is read teacher-forced ("ref")
     self_prompts: tuple = (("code", 75), ("math", 128), ("chat", 288))
-    ref_prompts: tuple = (("code", 75), ("math", 500), ("chat", 400))
+    ref_prompts: tuple = (("code", 75), ("math", 2500), ("chat", 1600))
     heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
     answer_tokens: int = 160  # longest answer kept (generated or reference)
     max_prompt_tokens: int = 384  # longer prompts are skipped
@@ -78,10 +78,10 @@ class TrainConfig:
     ref_batch: int = 8
     # heads and training
     num_heads: int = 4
-    num_layers: int = 1
+    num_layers: int = 2
     arch: str = "mlp"  # mlp (prefix-mlp, Hydra++, is not trained here)
-    steps: int = 900
-    batch_tokens: int = 384  # anchors per step (each trains every head)
+    steps: int = 1800
+    batch_tokens: int = 512  # anchors per step (each trains every head)
     lr: float = 1e-3
     warmup: int = 30
     draft_vocab: int = 8192

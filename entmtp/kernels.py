@@ -105,15 +105,19 @@ def tree_sdpa(module: nn.Module, query, key, value, attention_mask, dropout: flo
     grouped-query model (a tree verification): there stock code copies every key and value head
     `groups` times (`repeat_kv`, ~11 ms a step at 300 cached tokens on this CPU); here the queries
     of a group are stacked over their shared key/value head instead, and the mask is tiled to match.
-    The same products are summed in the same order, so it adds no rounding of its own."""
+    The products are the same; the kernel may block the longer query axis differently, so results
+    agree with stock to ~1e-7 (measured here at 300 cached tokens: bit-identical for blocks of 5, 9
+    and 30 queries, 2.7e-7 apart for 2)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    q_len = query.shape[2]
-    if stock() or attention_mask is None or groups == 1 or q_len == 1 or dropout or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    b, heads, _, dim = query.shape
-    if attention_mask.dtype == torch.bool or attention_mask.shape[1] != 1:
+    b, heads, q_len, dim = query.shape
+    stock_path = (
+        stock() or attention_mask is None or groups == 1 or q_len == 1 or dropout
+        or kwargs.get("position_bias") is not None
+        or attention_mask.dtype == torch.bool or attention_mask.shape[1] != 1  # only one additive mask for all heads
+    )
+    if stock_path:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     q = query.reshape(b, heads // groups, groups * q_len, dim)  # head h reads key/value head h // groups
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1, groups * q_len, -1)

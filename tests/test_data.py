@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
 from entmtp import data
 from entmtp.data import DataError
 
-HAVE_GSM8K = (data.gsm8k_dir() / "gsm8k_train.jsonl").is_file() and (
-    data.gsm8k_dir() / "gsm8k_test.jsonl"
-).is_file()
-needs_gsm8k = pytest.mark.skipif(not HAVE_GSM8K, reason=f"GSM8K files not in {data.gsm8k_dir()}")
+
+def test_gsm8k_ships_inside_the_repository(monkeypatch):
+    """The math data is part of the repository, with its licence; no path outside it is read."""
+    monkeypatch.delenv(data.GSM8K_ENV, raising=False)
+    folder = data.gsm8k_dir()
+    assert folder.resolve() == Path(__file__).resolve().parents[1] / "data" / "gsm8k"
+    for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "LICENSE"):
+        assert (folder / name).is_file(), f"{folder / name} is missing"
+    assert "MIT License" in (folder / "LICENSE").read_text(encoding="utf-8")
 
 
-def _tasks():
-    return [pytest.param(t, marks=needs_gsm8k) if t == "math" else t for t in data.TASKS]
-
-
-@pytest.mark.parametrize("task", _tasks())
+@pytest.mark.parametrize("task", data.TASKS)
 def test_splits_are_disjoint_and_nonempty(task):
     split = {s: data.prompts(task, s) for s in data.SPLITS}
     for s, items in split.items():
@@ -31,7 +33,7 @@ def test_splits_are_disjoint_and_nonempty(task):
     assert not set(split["calib"]) & set(split["eval"])
 
 
-@pytest.mark.parametrize("task", _tasks())
+@pytest.mark.parametrize("task", data.TASKS)
 def test_order_is_deterministic(task):
     first = {s: data.prompts(task, s) for s in data.SPLITS}
     # Drop every cache so the second call recomputes from the files.
@@ -57,15 +59,14 @@ def test_humaneval_eval_is_problems_100_to_163():
     assert data.pairs("code", "eval")[0] == (expected[0], rows[100]["canonical_solution"])
 
 
-@needs_gsm8k
 def test_gsm8k_eval_matches_test_file():
     path = data.gsm8k_dir() / "gsm8k_test.jsonl"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    assert len(data.prompts("math", "eval")) == len(lines)
+    assert len(data.prompts("math", "eval")) == len(lines) == 1319
     assert data.pairs("math", "eval", n=1)[0] == tuple(json.loads(lines[0])[k] for k in ("question", "answer"))
     assert len(data.prompts("math", "calib")) == data.GSM8K_CALIB
     n_train = sum(1 for line in (data.gsm8k_dir() / "gsm8k_train.jsonl").open() if line.strip())
-    assert len(data.prompts("math", "train")) == n_train - data.GSM8K_CALIB
+    assert n_train == 7473 and len(data.prompts("math", "train")) == n_train - data.GSM8K_CALIB
 
 
 def test_gsm8k_dir_override_and_missing(tmp_path, monkeypatch):

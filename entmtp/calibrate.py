@@ -1,4 +1,4 @@
-"""Offline bank building (DESIGN section 1): rollouts, greedy trees, recalibration, fronts, policies.
+"""Offline bank building (DESIGN.md, *Building a bank*): rollouts, greedy trees, recalibration, fronts, policies.
 
 Stages, each resumable from a JSON checkpoint in the work folder:
 1. joint rollout: decode the calibration prompts with a superset tree and record, per step, the

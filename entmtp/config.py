@@ -24,7 +24,7 @@ METHODS = (
 )
 # Methods that run through our own decode loop (the others call transformers `generate`).
 ENGINE_METHODS = ("ar", "medusa", "hydra", "entmtp-static", "entmtp-ladder", "entmtp-tau")
-BASELINE_TREE = "mc_sim_7b_63"  # Hydra's and Medusa's default tree (shared/reference/trees.json)
+BASELINE_TREE = "mc_sim_7b_63"  # Hydra's and Medusa's default tree (entmtp/trees.json)
 
 HEADS_DIR = ROOT / "assets" / "heads"
 BANKS_DIR = ROOT / "banks"

@@ -15,7 +15,7 @@ Chooser = Callable[[float], int]
 def confidence(z: torch.Tensor) -> tuple[float, float]:
     """(s, entropy) from the base logits z (V,) at the last accepted position.
 
-    DESIGN defines s = max(p0, g_1, ..., g_D) with g_d = p0 * p_1 * ... * p_d the value of the
+    DESIGN.md (*One decode step*) defines s = max(p0, g_1, ..., g_D) with g_d = p0 * p_1 * ... * p_d the value of the
     heads' top-1 path to depth d (EAGLE-2's path value). Every g_d <= p0, so s is p0 exactly:
     the policy can pick a tree before any head runs, and the heads then run only as deep as
     that tree needs.

@@ -89,6 +89,7 @@ def hf_generate(
                 s=float("nan"),
                 entropy=float("nan"),
                 path_value=float("nan"),
+                feature=float("nan"),
                 accepted=len(payload),
                 accepted_nodes=list(range(len(payload))),
                 draft_tokens=payload,

@@ -17,7 +17,7 @@ from . import drafting, kv, verify
 from .bank import TopologyBank
 from .config import GenerationConfig
 from .heads import DraftHeads
-from .policy import Policy, confidence, path_value
+from .policy import Policy, confidence, feature_value, path_value
 
 PHASES = ("schedule", "draft", "verify", "accept", "kv")
 
@@ -55,6 +55,7 @@ class StepRecord:
     s: float
     entropy: float
     path_value: float  # value of the heads' top-1 path through the chosen tree's depth (g_D)
+    feature: float  # the value the policy read (its feature: p0, g_D through the bank's depth, exp(-entropy))
     accepted: int  # tokens emitted this step
     accepted_nodes: list[int]  # node ids of the accepted path in the tree
     draft_tokens: list[int]  # candidate token per tree node, root first
@@ -128,34 +129,44 @@ class Engine:
         ctx = heads.new_context() if heads is not None else None
         cache = self.new_cache()
 
-        t_start = time.perf_counter()
+        clock = _clock(device)  # on CUDA each reading waits for the queued kernels
+        t_start = clock()
         ids = torch.tensor([prompt_ids], device=device)
         hidden, logits = verify.forward(model, cache, ids, torch.arange(len(prompt_ids), device=device)[None], None)
         z = logits[-1]  # (V,) base logits at the last accepted position
         feature = ctx.observe(hidden) if ctx is not None else None
         root = verify.sample(torch.softmax(z.float() / gen.temperature, -1).cpu(), rng) if sampling else int(z.argmax())
         past = len(prompt_ids)
-        prefill_ms = (time.perf_counter() - t_start) * 1e3
+        prefill_ms = (clock() - t_start) * 1e3
         produced, step = 0, 0
 
+        feature_name = strategy.policy.feature
+        smallest = min(range(len(bank)), key=lambda i: bank[i].n_nodes)
         while True:
-            t0 = time.perf_counter()
-            # schedule: confidence s from z, the policy's tree, the heads' top-1 path to its depth
+            t0 = clock()
+            # schedule: the policy's feature (p0, the heads' path value g_D through the bank's depth,
+            # or exp(-entropy)), its tree, and the heads' top-1 path to the depth the tree needs
             s, entropy = confidence(z)
-            idx = choose(s)
+            chain, chain_probs = [], []
+            if feature_name == "path_value" and heads is not None:
+                chain, chain_probs = drafting.top1_chain(heads, feature, root, bank.max_depth)
+            feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
+            idx = choose(feat)
+            if past + bank[idx].n_nodes > self.max_positions:
+                idx = smallest  # near the context end fall back to the bank's smallest tree
             tree = bank[idx]
-            if past + tree.n_nodes > self.max_positions:
-                tree, idx = bank[0], 0  # near the context end fall back to the bank's smallest tree
             depth = tree.max_depth if heads is not None else 0
-            chain, chain_probs = drafting.top1_chain(heads, feature, root, depth) if depth else ([], [])
+            if len(chain) < depth:
+                chain, chain_probs = drafting.top1_chain(heads, feature, root, depth)
+            chain, chain_probs = chain[:depth], chain_probs[:depth]
             value = path_value(s, chain_probs)
-            t1 = time.perf_counter()
+            t1 = clock()
             # draft
             tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
-            t2 = time.perf_counter()
+            t2 = clock()
             # verify
             hidden, logits = verify.tree_forward(model, cache, tree, tokens, past)
-            t3 = time.perf_counter()
+            t3 = clock()
             # accept
             tok_list = tokens.tolist()
             if not sampling:
@@ -166,14 +177,14 @@ class Engine:
                 )
             else:
                 path, next_root = verify.accept_sample(tree, tok_list, logits, gen.temperature, rng)
-            t4 = time.perf_counter()
+            t4 = clock()
             # commit KV of the accepted path; the next step reads h and z at its last node
             kv.commit(cache, past, path, tree.n_nodes)
             past += len(path)
             z = logits[path[-1]]
             if ctx is not None:
                 feature = ctx.observe(hidden[path])
-            t5 = time.perf_counter()
+            t5 = clock()
 
             emitted = [tok_list[i] for i in path]
             reason = ""
@@ -197,12 +208,13 @@ class Engine:
                 s=s,
                 entropy=entropy,
                 path_value=value,
+                feature=feat,
                 accepted=len(emitted),
                 accepted_nodes=path[: len(emitted)],
                 draft_tokens=tok_list,
                 ms=ms,
                 step_ms=(t5 - t0) * 1e3,
-                elapsed_s=time.perf_counter() - t_start,
+                elapsed_s=clock() - t_start,
                 prefill_ms=prefill_ms,
                 finished=bool(reason),
                 stop_reason=reason,
@@ -210,6 +222,18 @@ class Engine:
             if reason:
                 return
             root = next_root
+
+
+def _clock(device: torch.device):
+    """time.perf_counter, synchronised with the device first on CUDA (kernels run asynchronously)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 @dataclass

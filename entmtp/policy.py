@@ -1,4 +1,4 @@
-"""The confidence feature s and the tree-choosing policies (static, ladder, tau)."""
+"""The confidence features and the tree-choosing policies (static, ladder, tau)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,26 @@ def path_value(p0: float, chain_probs: list[float]) -> float:
     return g
 
 
+FEATURES = ("p0", "path_value", "neg_entropy")  # what a policy reads; each in [0, 1], larger = more confident
+
+
+def feature_value(name: str, p0: float, entropy: float, value: float) -> float:
+    """The policy input named `name`: p0, the heads' path value g_D, or exp(-entropy)."""
+    if name == "p0":
+        return p0
+    if name == "path_value":
+        return value
+    if name == "neg_entropy":
+        return math.exp(-entropy)
+    raise ValueError(f"unknown feature {name!r} (expected one of {', '.join(FEATURES)})")
+
+
 @dataclass(frozen=True)
 class StaticPolicy:
     """EntMTP*: always the same tree."""
 
     tree: int = 0
+    feature: str = "p0"  # read but unused: one tree whatever the value
     name = "static"
 
     def chooser(self) -> Chooser:
@@ -51,9 +66,12 @@ class LadderPolicy:
 
     trees: tuple[int, ...]
     thresholds: tuple[float, ...]
+    feature: str = "p0"
     name = "ladder"
 
     def __post_init__(self):
+        if self.feature not in FEATURES:
+            raise ValueError(f"ladder: unknown feature {self.feature!r}")
         if len(self.thresholds) != len(self.trees) - 1:
             raise ValueError(f"ladder: {len(self.trees)} trees need {len(self.trees) - 1} thresholds, got {len(self.thresholds)}")
         if list(self.thresholds) != sorted(self.thresholds):
@@ -74,9 +92,12 @@ class TauPolicy:
     large: int
     tau_on: float
     tau_off: float
+    feature: str = "p0"
     name = "tau"
 
     def __post_init__(self):
+        if self.feature not in FEATURES:
+            raise ValueError(f"tau: unknown feature {self.feature!r}")
         if self.tau_off > self.tau_on:
             raise ValueError(f"tau: tau_off ({self.tau_off}) must not exceed tau_on ({self.tau_on})")
 

@@ -30,28 +30,34 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
 
     Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
-    their top-k become the children (child of rank r gets the rank-r token). The rank-0 chain
-    node of each depth is always the first parent; its logits come from `chain`.
+    their top-k become the children (child of rank r gets the rank-r token). Node order is
+    (depth, path), so the rank-0 chain node (0, ..., 0) is the first parent when it has children;
+    its logits then come from `chain`. It need not have any: in [[0], [1], [1, 0]] the only
+    parent at depth 1 is (1,).
     """
     device = feature.device
     tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
     tokens[0] = root
     for d, plan in enumerate(tree.plans):
         parents = plan.parents.to(device)
-        rows = [chain[d][None]] if d < len(chain) else []
         if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
-            if not rows:
-                rows = [heads.head_logits(d, feature[None], tokens[:1, None])]
-            table = heads.to_token_ids(torch.topk(rows[0], plan.k, dim=-1).indices).expand(len(parents), -1)
+            row = chain[d][None] if d < len(chain) else heads.head_logits(d, feature[None], tokens[:1, None])
+            table = heads.to_token_ids(torch.topk(row, plan.k, dim=-1).indices).expand(len(parents), -1)
         else:
-            rest = len(parents) - len(rows)
-            if rest:
-                paths = tokens[_ancestor_paths(tree, d)[len(rows):].to(device)]  # (P', d+1)
-                rows.append(heads.head_logits(d, feature[None].expand(rest, -1), paths))
+            reuse = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
+            rows = [chain[d][None]] if reuse else []
+            paths = _ancestor_paths(tree, d)[len(rows) :].to(device)  # (P', d+1)
+            if len(paths):
+                rows.append(heads.head_logits(d, feature[None].expand(len(paths), -1), tokens[paths]))
             logits = torch.cat(rows, dim=0)  # (P, K)
             table = heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
         tokens[plan.children.to(device)] = table.reshape(-1)[plan.slot.to(device)]
     return tokens
+
+
+def _is_chain_node(tree: Tree, node: int) -> bool:
+    """Whether `node` is the root or a rank-0 child of rank-0 children all the way: (0, ..., 0)."""
+    return node == 0 or not any(tree.paths[node - 1])
 
 
 def _ancestor_paths(tree: Tree, d: int) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Drafting: every token `expand` drafts equals a direct drafting, node by node, from its own path."""
+
+import random
+
+import pytest
+import torch
+
+from entmtp.drafting import expand, top1_chain
+from entmtp.topology import compile_tree
+from conftest import random_heads, random_tree
+
+# trees whose chain node (0, ..., 0) is not expanded at some depth where other nodes are
+ODD_TREES = [
+    [[0], [1], [1, 0]],
+    [[0], [1], [2], [2, 0], [2, 1], [1, 0], [1, 0, 0]],
+    [[0], [1], [0, 0], [1, 0], [1, 1], [1, 1, 0], [1, 1, 1]],
+    [[0], [0, 0], [0, 1], [0, 1, 0], [0, 1, 0, 0]],
+]
+KINDS = [("hydra", {}), ("hydra", {"arch": "prefix-mlp"}), ("medusa", {})]
+
+
+def reference_draft(tree, heads, feature, root):
+    """One head call per node with children, on that node's own path: root..node."""
+    tokens = [root] + [None] * (tree.n_nodes - 1)
+    for node in range(tree.n_nodes):  # node ids are ordered by depth: parents come first
+        kids = tree.children[node]
+        if not kids:
+            continue
+        path, j = [], node
+        while j >= 0:
+            path.append(tokens[j])
+            j = tree.parent[j]
+        path = torch.tensor([path[::-1]])  # (1, depth+1)
+        logits = heads.head_logits(tree.depth[node], feature[None], path)[0]
+        top = heads.to_token_ids(torch.topk(logits, len(kids)).indices).tolist()
+        for child in kids:
+            tokens[child] = top[tree.rank[child]]
+    return tokens
+
+
+def chain_skipped(tree) -> bool:
+    """Some depth expands nodes but not the chain node (0, ..., 0)."""
+    return any(tree.paths[int(p.parents[0]) - 1] != (0,) * d for d, p in enumerate(tree.plans) if d)
+
+
+def features(model, heads, n):
+    """(root, feature) at each of n positions of a random sequence, as the engine gets them."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+    out = model.model(ids)
+    hidden = out.last_hidden_state[0]  # (n, H)
+    roots = model.lm_head(hidden).argmax(-1).tolist()
+    ctx = heads.new_context()
+    return [(roots[t], ctx.observe(hidden[t : t + 1])) for t in range(n)]
+
+
+@pytest.mark.parametrize("kind, kw", KINDS)
+def test_expand_equals_reference_drafting(model, kind, kw):
+    heads = random_heads(model, kind, **kw)
+    rng = random.Random(11)
+    trees = [compile_tree(t, f"odd{i}") for i, t in enumerate(ODD_TREES)]
+    while len(trees) < 50:
+        trees.append(compile_tree(random_tree(rng, max_nodes=24), f"r{len(trees)}"))
+    assert sum(chain_skipped(t) for t in trees) >= 10
+    with torch.no_grad():
+        for tree, (root, feature) in zip(trees, features(model, heads, len(trees))):
+            chain, _ = top1_chain(heads, feature, root, tree.max_depth)
+            got = expand(tree, heads, feature, root, chain).tolist()
+            assert got == reference_draft(tree, heads, feature, root), tree.as_lists()
+
+
+def test_expand_with_a_draft_vocabulary(model):
+    heads = random_heads(model, "hydra")
+    heads.set_draft_vocab(torch.arange(5, 45, 2))
+    tree = compile_tree(ODD_TREES[1])
+    with torch.no_grad():
+        for root, feature in features(model, heads, 5):
+            chain, _ = top1_chain(heads, feature, root, tree.max_depth)
+            got = expand(tree, heads, feature, root, chain).tolist()
+            assert got == reference_draft(tree, heads, feature, root)
+            assert all(t in range(5, 45, 2) for t in got[1:])

@@ -183,9 +183,9 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
     elif Path(heads).exists():
         path = Path(heads)
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", heads):
-        from huggingface_hub import snapshot_download
+        from .heads import fetch_hub_heads
 
-        path = Path(snapshot_download(heads))
+        path = fetch_hub_heads(heads)
     else:
         raise LoadError(f"heads not found: {heads!r} is neither a folder nor a hub repo id")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

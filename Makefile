@@ -15,4 +15,4 @@ demo: setup
 	$(PY) app.py
 
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs

@@ -1,4 +1,4 @@
-"""Command line: `python -m entmtp {generate,bench,build-bank,train-heads}`.
+"""Command line: `python -m entmtp {generate,bench,calibrate,build-bank,train-heads,eval-heads}`.
 
 Argument parsing lives here only. A bad argument or file prints one `entmtp: error: ...` line
 and exits with code 2, never a traceback.
@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import kernels
 from .bench import BenchConfig
-from .calibrate import BankBuildConfig
+from .calibrate import BankBuildConfig, CalibrateConfig
 from .config import BASELINE_TREE, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2
@@ -50,8 +51,11 @@ def non_negative_float(text: str) -> float:
     return v
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
     d = ModelConfig()
+    if fit:
+        p.add_argument("--no-calibrate", action="store_true",
+                       help="use the fit shipped in the bank file instead of this machine's (no timing run)")
     p.add_argument("--model", default=d.model, help="default alias, hub id or local path (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
@@ -64,6 +68,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+
+
+def _runtime(args: argparse.Namespace):
+    """The runtime of a command that decodes: banks under this machine's fit (calibrated once if
+    none is cached) unless --no-calibrate asks for the fit shipped in the bank file."""
+    from .loading import load_runtime
+
+    return load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir,
+                        fit_mode="shipped" if args.no_calibrate else "auto", progress=_progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,18 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ev)
 
     b = BankBuildConfig()
-    bb = sub.add_parser("build-bank", help="build a task's bank of throughput-Pareto trees on this machine (resumable)")
+    bb = sub.add_parser("build-bank", help="record a task's acceptance traces and candidate trees, fit them here (resumable)")
     bb.add_argument("--task", choices=TASKS, required=True)
     bb.add_argument("--prompts", default=None, help="calibration prompts (JSONL); default: the task's calib split")
-    bb.add_argument("--calib-prompts", type=positive_int, default=b.calib_prompts, help="prompts in the joint rollout")
-    bb.add_argument("--calib-new-tokens", type=positive_int, default=b.calib_new_tokens)
-    bb.add_argument("--measure-prompts", type=positive_int, default=b.measure_prompts, help="prompts per candidate in stage 3+4")
-    bb.add_argument("--measure-new-tokens", type=positive_int, default=b.measure_new_tokens)
+    bb.add_argument("--calib-prompts", type=positive_int, default=b.calib_prompts, help="prompts traced")
+    bb.add_argument("--calib-new-tokens", type=positive_int, default=b.calib_new_tokens, help="greedy tokens traced per prompt")
     bb.add_argument("--max-candidates", type=positive_int, default=b.max_candidates)
     bb.add_argument("--out", default=None, help="bank file (default: banks/<model>/<task>.json)")
     bb.add_argument("--work", default=None, help="stage checkpoints (default: checkpoints/bank/<model>/<task>)")
     bb.add_argument("--fresh", action="store_true", help="discard the stage checkpoints and start over")
-    add_model_args(bb)
+    add_model_args(bb, fit=False)
+
+    c = CalibrateConfig()
+    ca = sub.add_parser("calibrate", help="time each bank tree on this machine and fit front and policies (cached)")
+    ca.add_argument("--task", type=task_list, action="extend", default=None, help="task(s), repeatable or comma-separated (default: all)")
+    ca.add_argument("--context", type=positive_int, default=c.context, help="tokens of context a step is timed at")
+    ca.add_argument("--rounds", type=positive_int, default=c.rounds, help="timed rounds per tree")
+    ca.add_argument("--steps", type=positive_int, default=c.steps, help="decode steps timed per round")
+    add_model_args(ca, fit=False)
 
     bc = BenchConfig()
     be = sub.add_parser("bench", help="every method side by side on this machine: a table, then one JSON line")
@@ -184,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
         items = [{"prompt": args.prompt, "task": args.task or "chat"}]
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
+    rt = _runtime(args)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, typical=args.typical
     )
@@ -278,7 +297,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
+    rt = _runtime(args)
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     end = min(eos) if eos else 0
@@ -310,21 +329,20 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     print(json.dumps(report))
 
 
-def cmd_build_bank(args: argparse.Namespace) -> None:
+def _progress(it, desc, total):
     from tqdm import tqdm
 
-    from .calibrate import BankBuildConfig, Stages, build_bank
+    return tqdm(it, desc=desc, total=total, file=sys.stderr)
+
+
+def cmd_build_bank(args: argparse.Namespace) -> None:
+    from .calibrate import Stages, build_bank, fingerprint
     from .config import ROOT
     from .data import prompts, read_prompt_file
     from .loading import bank_path, load_runtime
 
-    cfg = BankBuildConfig(
-        calib_prompts=args.calib_prompts,
-        calib_new_tokens=args.calib_new_tokens,
-        measure_prompts=args.measure_prompts,
-        measure_new_tokens=args.measure_new_tokens,
-        max_candidates=args.max_candidates,
-    )
+    cfg = BankBuildConfig(calib_prompts=args.calib_prompts, calib_new_tokens=args.calib_new_tokens,
+                          max_candidates=args.max_candidates)
     if cfg.max_candidates < 3:
         raise UsageError(f"--max-candidates must be at least 3 (the bank needs 3 trees), got {cfg.max_candidates}")
     if args.prompts:
@@ -337,46 +355,89 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     heads = rt.heads("hydra")
     work = Path(args.work) if args.work else ROOT / "checkpoints" / "bank" / rt.slug / args.task
     out = Path(args.out) if args.out else bank_path(rt.name, args.task)
+    fp = fingerprint(rt.model, "packed" if kernels.is_packed(rt.model) else "stock")
     provenance = {
         "model": rt.name,
+        "weights": getattr(rt, "weights", ""),
         "heads_sha256": heads.provenance.get("sha256", "unknown"),
         "calibration": calibration,
+        "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
         "command": "python -m entmtp " + " ".join(args.argv),
-        "dtype": str(rt.model.dtype).replace("torch.", ""),
-        "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
+        "date": __import__("datetime").date.today().isoformat(),
+        "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
     }
-
-    def progress(it, desc, total):
-        return tqdm(it, desc=desc, total=total, file=sys.stderr)
-
     ids = [rt.encode(t) for t in texts]
     try:
-        baseline = rt.strategy("hydra", args.task).bank[0]  # Hydra's default tree, measured for comparison
-        bank, report = build_bank(
-            rt.engine, heads, ids, cfg, Stages(work, args.fresh), provenance, {"model": rt.slug, "task": args.task}, progress, baseline
-        )
+        baseline = rt.strategy("hydra", args.task).bank[0]  # Hydra's default tree, scored for comparison
+        bank = build_bank(rt.engine, heads, ids, cfg, Stages(work, args.fresh),
+                          {"model": rt.slug, "task": args.task, "provenance": provenance}, fp,
+                          progress=_progress, baseline=baseline)
     except ValueError as e:
         if type(e) is ValueError:
             raise UsageError(str(e)) from None
         raise
     bank.save(out)
+    figure = _bank_figure(bank, rt.slug, args.task)
+    print(fit_table(bank.fit))
+    print(f"bank: {out}  figure: {figure}")
+    print(json.dumps({"bank": str(out), "task": args.task, **_fit_summary(bank.fit)}))
+
+
+def _bank_figure(bank, slug: str, task: str) -> Path:
+    from .config import ROOT
     from .plots import front_figure, save_png
 
-    fig = front_figure(bank, report.get("baseline"))
-    figure = ROOT / "assets" / f"bank-{rt.slug}-{args.task}.png"
+    fig = front_figure(bank, bank.fit.get("baseline"))
+    figure = ROOT / "assets" / f"bank-{slug}-{task}.png"
     if not save_png(fig, figure):
         figure = figure.with_suffix(".html")  # no Chromium here: keep the interactive figure
         fig.write_html(figure, include_plotlyjs="cdn")
-    print(f"{'tree':<10} {'nodes':>5} {'pred acc':>8} {'acc':>6} {'step ms':>8} {'tok/s':>7}  front")
-    for c in report["candidates"]:
-        mark = "*" if c["id"] in report["front"] else ""
-        print(f"{c['id']:<10} {c['n_nodes']:>5} {c['predicted']:>8.3f} {c['mean_accepted']:>6.3f} {c['step_ms']:>8.1f} {c['tokens_per_s']:>7.2f}  {mark}")
-    if "baseline" in report:
-        b = report["baseline"]
-        print(f"{b['name']:<10} {b['n_nodes']:>5} {'':>8} {b['mean_accepted']:>6.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>7.2f}  (baseline, not in the bank)")
-    print("simulated tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["simulated"].items()))
-    print(f"bank: {out}  figure: {figure}")
-    print(json.dumps({"bank": str(out), **report}))
+    return figure
+
+
+def fit_table(fit: dict) -> str:
+    """The fit of one task as text: per tree, then the policies and their predicted throughput."""
+    lines = [f"fitted on {fit['hardware']} ({fit['date']})",
+             f"{'tree':<10} {'acc/step':>8} {'step ms':>8} {'pred tok/s':>10}  front"]
+    for name, st in fit["trees"].items():
+        mark = "*" if name in fit["front"] else ""
+        lines.append(f"{name:<10} {st['mean_accepted']:>8.3f} {st['step_ms']:>8.1f} {st['tokens_per_s']:>10.2f}  {mark}")
+    if fit.get("baseline"):
+        b = fit["baseline"]
+        lines.append(f"{b['name']:<10} {b['mean_accepted']:>8.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>10.2f}  (hydra's tree, not in the bank)")
+    pol = fit["policies"]
+    lines.append(f"feature: {fit['feature']}  (rank correlation with accepted length: "
+                 + ", ".join(f"{k} {v['spearman']:+.2f}" for k, v in fit["features"].items()) + ")")
+    lines.append(f"static: {pol['static']['tree']}; ladder: {' < '.join(pol['ladder']['trees'])} at {pol['ladder']['thresholds']}; "
+                 f"tau: {pol['tau']['small']} <-> {pol['tau']['large']} on {pol['tau']['tau_on']:.3f} / off {pol['tau']['tau_off']:.3f}")
+    for name, why in fit.get("degenerate", {}).items():
+        lines.append(f"note: {name} {why}")
+    lines.append("predicted tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in fit["predicted_tokens_per_s"].items()))
+    return "\n".join(lines)
+
+
+def _fit_summary(fit: dict) -> dict:
+    pol = fit["policies"]
+    return {"trees": list(fit["trees"]), "front": fit["front"], "static": pol["static"]["tree"], "ladder": pol["ladder"],
+            "tau": pol["tau"], "feature": fit["feature"], "degenerate": fit.get("degenerate", {}),
+            "features": fit["features"], "predicted_tokens_per_s": fit["predicted_tokens_per_s"]}
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .loading import load_runtime
+
+    t0 = time.perf_counter()
+    tasks = list(dict.fromkeys(args.task or TASKS))
+    cfg = CalibrateConfig(context=args.context, rounds=args.rounds, steps=args.steps)
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir, fit_mode="refit",
+                      calibrate_config=cfg, progress=_progress)
+    banks = rt.banks(tasks)
+    for task, bank in banks.items():
+        print(f"== {task}")
+        print(fit_table(bank.fit))
+    hardware = next(iter(banks.values())).fit["hardware"]
+    print(json.dumps({"hardware": hardware, "seconds": round(time.perf_counter() - t0, 1),
+                      "tasks": {t: _fit_summary(b.fit) for t, b in banks.items()}}))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -392,7 +453,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         items = read_prompt_file(args.prompts)
     else:
         items = [it for task in args.tasks for it in eval_prompt_file(task, cfg.prompts_per_task)]
-    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
+    rt = _runtime(args)
     for task in sorted({it["task"] for it in items}):  # fail before measuring anything
         for m in args.methods:
             if m not in ("hf", "hf-lookup"):
@@ -401,12 +462,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     def progress(it, desc, total):
         return tqdm(it, desc=desc, total=total, file=sys.stderr, unit="prompt")
 
+    t0 = time.perf_counter()
     out = run_bench(rt, items, args.methods, cfg, progress)
     print(table(out["results"]))
+    fits = {task: bank.fit.get("hardware") for task, bank in rt._banks.items()}
     summary = {
-        "results": [{k: r[k] for k in ("task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless")} for r in out["results"]],
+        "results": [{k: r[k] for k in ("task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless",
+                                       "same_as_ar", "predicted_tokens_per_s") if k in r} for r in out["results"]],
         "hardware": hardware(),
         "model": rt.name,
+        "weights": getattr(rt, "weights", ""),
+        "fit": fits,
+        "seconds": round(time.perf_counter() - t0, 1),
         "dtype": str(rt.model.dtype).replace("torch.", ""),
         "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
         "max_new_tokens": cfg.max_new_tokens,
@@ -425,7 +492,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
-COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
+COMMANDS = {"bench": cmd_bench, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
+from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, TopologyError, compile_tree
+from .traces import Trace
 
-SCHEMA_VERSION = 1
-TREE_FIELDS = ("id", "paths", "n_nodes", "depth", "mean_accepted", "step_ms", "tokens_per_s")
+SCHEMA_VERSION = 2  # 2: the bank carries acceptance traces and the fit of the machine that built it
 PROVENANCE_FIELDS = ("model", "heads_sha256", "calibration", "command", "date", "hardware")
+STAT_FIELDS = ("mean_accepted", "step_ms", "tokens_per_s")
 
 
 class BankError(ValueError):
@@ -21,12 +23,20 @@ class BankError(ValueError):
 
 @dataclass
 class TopologyBank:
-    """Trees compiled once; a decode step switches trees by index."""
+    """Trees compiled once; a decode step switches trees by index.
+
+    A bank file holds the candidate trees and the acceptance traces they were chosen from (the
+    portable half), plus one fit: per-tree step costs measured on one machine and the front and
+    policies fitted to them. `with_fit` swaps in the fit of the machine the engine runs on.
+    """
 
     trees: list[Tree]
-    stats: list[dict[str, Any]] = field(default_factory=list)  # per tree: measured figures
+    stats: list[dict[str, Any]] = field(default_factory=list)  # per tree: figures of the active fit
     policies: dict[str, Policy] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    traces: list[Trace] = field(default_factory=list)
+    fit: dict[str, Any] = field(default_factory=dict)  # the active fit (see entmtp.calibrate.fit_task)
+    shipped_fit: dict[str, Any] = field(default_factory=dict)  # the fit the file was saved with
 
     @classmethod
     def of(cls, *trees: Tree) -> "TopologyBank":
@@ -48,6 +58,35 @@ class TopologyBank:
                 return i
         raise KeyError(tree_id)
 
+    @property
+    def front(self) -> list[int]:
+        """Indices of the active fit's throughput front (all trees when there is no fit)."""
+        ids = self.fit.get("front")
+        return [self.index(t) for t in ids] if ids else list(range(len(self.trees)))
+
+    def portable_key(self) -> str:
+        """A checksum of what a fit depends on besides the machine: trees, traces and heads."""
+        raw = json.dumps([[t.as_lists() for t in self.trees], [t.to_json() for t in self.traces],
+                          self.meta.get("provenance", {}).get("heads_sha256")], sort_keys=True)
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    def smallest(self) -> int:
+        return min(range(len(self.trees)), key=lambda i: self.trees[i].n_nodes)
+
+    def with_fit(self, fit: dict[str, Any]) -> "TopologyBank":
+        """The same trees and traces under another fit (validated like the file's own)."""
+        ids = {t.name: i for i, t in enumerate(self.trees)}
+        where = f"fit ({fit.get('hardware', '?')})"
+        stats = []
+        for t in self.trees:
+            st = _need(_need(fit, "trees", where, dict), t.name, f"{where}.trees", dict)
+            stats.append({k: float(_need(st, k, f"{where}.trees.{t.name}", (int, float))) for k in STAT_FIELDS})
+        policies = parse_policies(_need(fit, "policies", where, dict), ids, f"{where}.policies")
+        for name in _need(fit, "front", where, list):
+            if name not in ids:
+                raise BankError(f"{where}.front: unknown tree id {name!r}")
+        return TopologyBank(self.trees, stats, policies, self.meta, self.traces, fit, self.shipped_fit)
+
     def policy(self, name: str) -> Policy:
         if name not in self.policies:
             raise BankError(f"bank has no {name!r} policy (has: {', '.join(self.policies) or 'none'})")
@@ -57,20 +96,12 @@ class TopologyBank:
         trees = []
         for t, st in zip(self.trees, self.stats):
             trees.append({"id": t.name, "paths": t.as_lists(), "n_nodes": t.n_nodes, "depth": t.max_depth, **st})
-        pol: dict[str, Any] = {}
-        for name, p in self.policies.items():
-            if isinstance(p, StaticPolicy):
-                pol[name] = {"tree": self.trees[p.tree].name}
-            elif isinstance(p, LadderPolicy):
-                pol[name] = {"trees": [self.trees[i].name for i in p.trees], "thresholds": list(p.thresholds)}
-            else:
-                pol[name] = {
-                    "small": self.trees[p.small].name,
-                    "large": self.trees[p.large].name,
-                    "tau_on": p.tau_on,
-                    "tau_off": p.tau_off,
-                }
-        return {"schema_version": SCHEMA_VERSION, **self.meta, "trees": trees, "policies": pol}
+        out = {"schema_version": SCHEMA_VERSION, **self.meta, "trees": trees, "policies": policies_json(self.policies, self.trees)}
+        if self.traces:
+            out["traces"] = [t.to_json() for t in self.traces]
+        if self.shipped_fit:
+            out["fit"] = self.shipped_fit
+        return out
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -115,10 +146,38 @@ def parse_bank(raw: Any, where: str = "bank") -> TopologyBank:
             raise BankError(f"{w}.n_nodes: {e['n_nodes']} but the paths give {tree.n_nodes}")
         if _need(e, "depth", w, int) != tree.max_depth:
             raise BankError(f"{w}.depth: {e['depth']} but the paths give {tree.max_depth}")
-        st = {k: float(_need(e, k, w, (int, float))) for k in ("mean_accepted", "step_ms", "tokens_per_s")}
+        st = {k: float(_need(e, k, w, (int, float))) for k in STAT_FIELDS}
         ids[tid] = len(trees)
         trees.append(tree)
         stats.append(st)
+
+    policies = parse_policies(_need(raw, "policies", where, dict), ids, f"{where}.policies")
+    traces = []
+    for i, t in enumerate(_need(raw, "traces", where, list)):
+        try:
+            traces.append(Trace.from_json(t))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BankError(f"{where}.traces[{i}]: {e!r}") from None
+    fit = _need(raw, "fit", where, dict)
+    meta = {k: v for k, v in raw.items() if k not in ("schema_version", "trees", "policies", "traces", "fit")}
+    return TopologyBank(trees, stats, policies, meta, traces, fit, fit)
+
+
+def policies_json(policies: dict[str, Policy], trees: list[Tree]) -> dict[str, Any]:
+    pol: dict[str, Any] = {}
+    for name, p in policies.items():
+        if isinstance(p, StaticPolicy):
+            pol[name] = {"tree": trees[p.tree].name}
+        elif isinstance(p, LadderPolicy):
+            pol[name] = {"trees": [trees[i].name for i in p.trees], "thresholds": list(p.thresholds), "feature": p.feature}
+        else:
+            pol[name] = {"small": trees[p.small].name, "large": trees[p.large].name, "tau_on": p.tau_on,
+                         "tau_off": p.tau_off, "feature": p.feature}
+    return pol
+
+
+def parse_policies(pols: dict, ids: dict[str, int], where: str) -> dict[str, Policy]:
+    """static, ladder and tau from their JSON form; tree ids resolved against `ids`."""
 
     def ref(obj: dict, key: str, w: str) -> int:
         tid = _need(obj, key, w, str)
@@ -126,33 +185,38 @@ def parse_bank(raw: Any, where: str = "bank") -> TopologyBank:
             raise BankError(f"{w}.{key}: unknown tree id {tid!r}")
         return ids[tid]
 
-    pols = _need(raw, "policies", where, dict)
+    def feature(obj: dict, w: str) -> str:
+        name = obj.get("feature", "p0")
+        if name not in FEATURES:
+            raise BankError(f"{w}.feature: unknown feature {name!r} (expected one of {', '.join(FEATURES)})")
+        return name
+
     policies: dict[str, Policy] = {}
     try:
-        w = f"{where}.policies.static"
-        policies["static"] = StaticPolicy(ref(_need(pols, "static", f"{where}.policies", dict), "tree", w))
-        lad = _need(pols, "ladder", f"{where}.policies", dict)
-        w = f"{where}.policies.ladder"
+        w = f"{where}.static"
+        policies["static"] = StaticPolicy(ref(_need(pols, "static", where, dict), "tree", w))
+        lad = _need(pols, "ladder", where, dict)
+        w = f"{where}.ladder"
         names = _need(lad, "trees", w, list)
         for n in names:
             if n not in ids:
                 raise BankError(f"{w}.trees: unknown tree id {n!r}")
         thr = [float(x) for x in _need(lad, "thresholds", w, list)]
-        policies["ladder"] = LadderPolicy(tuple(ids[n] for n in names), tuple(thr))
-        tau = _need(pols, "tau", f"{where}.policies", dict)
-        w = f"{where}.policies.tau"
+        policies["ladder"] = LadderPolicy(tuple(ids[n] for n in names), tuple(thr), feature(lad, w))
+        tau = _need(pols, "tau", where, dict)
+        w = f"{where}.tau"
         policies["tau"] = TauPolicy(
             ref(tau, "small", w),
             ref(tau, "large", w),
             float(_need(tau, "tau_on", w, (int, float))),
             float(_need(tau, "tau_off", w, (int, float))),
+            feature(tau, w),
         )
     except ValueError as err:
         if isinstance(err, BankError):
             raise
-        raise BankError(f"{where}.policies: {err}") from None
-    meta = {k: v for k, v in raw.items() if k not in ("schema_version", "trees", "policies")}
-    return TopologyBank(trees, stats, policies, meta)
+        raise BankError(f"{where}: {err}") from None
+    return policies
 
 
 def load_bank(path: str | Path) -> TopologyBank:

@@ -1,43 +1,38 @@
-"""Offline bank building (DESIGN.md, *Building a bank*): rollouts, greedy trees, recalibration, fronts, policies.
+"""Banks that travel (DESIGN.md, *Where the bank is fitted*): build once, fit on every machine.
 
-Stages, each resumable from a JSON checkpoint in the work folder:
-1. joint rollout: decode the calibration prompts with a superset tree and record, per step, the
-   accepted rank path and s. A subtree would have accepted the longest prefix of that path
-   inside it.
-2. greedy construction for max depth D = 1..4: add the frontier node (next contiguous child of a
-   node) with the largest gain in mean acceptance; ties -> smaller rank sum, then shallower.
-3+4. recalibration and throughput: a real rollout with each candidate tree (interleaved per
-   prompt so drift hits all alike) measures its mean acceptance, step time and tokens/s.
-5. bank = Pareto front over (step time down, acceptance up); policies fitted by simulating them
-   on the stage-1 steps with measured per-tree step times.
+`build_bank` records the portable half of a bank: greedy continuations of the calibration
+prompts, their per-position acceptance traces (entmtp.traces), and candidate trees grown
+greedily from those traces. `calibrate` does the machine's half: it times a decode step with
+each candidate tree where the engine runs, then fits the throughput front, the static tree, the
+ladder and τ (on each feature) by exact simulation of the traces, and caches the fit under a
+hardware fingerprint. Build stages checkpoint to JSON in a work folder and resume.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .bank import TopologyBank
+from .bank import TopologyBank, parse_policies, policies_json
 from .config import GenerationConfig
-from .engine import Engine, Strategy, collect
+from .engine import Engine, Strategy
 from .heads import DraftHeads
-from .policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
+from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, compile_tree
+from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
 Progress = Callable[[Iterable, str, int], Iterable]
-
-
-def _no_progress(it: Iterable, desc: str = "", total: int = 0) -> Iterable:
-    return it
 
 
 @dataclass(frozen=True)
@@ -45,55 +40,27 @@ class BankBuildConfig:
     """Budget of one bank build (defaults sized for a 2-core CPU)."""
 
     calib_prompts: int = 24
-    calib_new_tokens: int = 96
-    measure_prompts: int = 10
-    measure_new_tokens: int = 64
+    calib_new_tokens: int = 128
     max_depth: int = 4
     sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate drafted-node counts
-    max_candidates: int = 8  # trees measured in stages 3+4, the root-only tree included
-    warmup_new_tokens: int = 8
+    max_candidates: int = 8  # candidate trees kept, the root-only tree included
 
 
-# -- stage 1: joint rollout ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
+
+    context: int = 320  # tokens of context a step is timed at (prompt plus part of an answer)
+    rounds: int = 3  # timed rounds, interleaved over the trees so drift hits all alike
+    steps: int = 6  # decode steps timed per round
+    grid: int = 12  # feature quantiles tried as thresholds
 
 
-def superset_tree(max_depth: int = 4, widths: Sequence[int] = (10, 6, 4, 3)) -> Tree:
-    """A wide tree holding every candidate: rank r at depth d has widths[d] children if r is small."""
-    paths: list[tuple[int, ...]] = []
-    level: list[tuple[int, ...]] = [()]
-    for d in range(max_depth):
-        nxt = []
-        for p in level:
-            # only the best-ranked nodes get children: the rest are rarely on an accepted path
-            if p and sum(p) > 3:
-                continue
-            for r in range(widths[d] if sum(p) == 0 else max(1, widths[d] // 2)):
-                nxt.append(p + (r,))
-        paths += nxt
-        level = nxt
-    return compile_tree(paths, "superset")
-
-
-def rank_path(tree: Tree, accepted_nodes: list[int]) -> RankPath:
-    return tuple(tree.rank[n] for n in accepted_nodes[1:])
-
-
-def joint_rollout(engine: Engine, heads: DraftHeads, prompts: list[list[int]], tree: Tree, new_tokens: int, progress: Progress = _no_progress) -> list[list[dict]]:
-    """Per prompt, per step: {"path": accepted rank path, "s": feature}."""
-    strategy = Strategy("superset", TopologyBank.of(tree), StaticPolicy(0), heads)
-    out = []
-    for ids in progress(prompts, "joint rollout", len(prompts)):
-        steps = engine.generate(ids, strategy, GenerationConfig(max_new_tokens=new_tokens))
-        # the last step may be truncated by the budget: its path says nothing about the tree
-        out.append([{"path": list(rank_path(tree, r.accepted_nodes)), "s": r.s} for r in steps if not r.finished])
-    return out
-
-
-# -- stage 2: greedy construction ----------------------------------------------------------------
+# -- candidate trees from the traces ------------------------------------------------------------
 
 
 def prefix_counts(paths: Iterable[RankPath]) -> dict[RankPath, int]:
-    """How many steps accepted each rank path prefix (excluding the empty one)."""
+    """How many positions accept each rank path prefix (excluding the empty one)."""
     counts: dict[RankPath, int] = {}
     for p in paths:
         for k in range(1, len(p) + 1):
@@ -101,22 +68,14 @@ def prefix_counts(paths: Iterable[RankPath]) -> dict[RankPath, int]:
     return counts
 
 
-def accepted_in(tree_paths: set[RankPath], path: RankPath) -> int:
-    """Tokens a tree accepts at a step whose full accepted rank path is `path` (root included)."""
-    k = 0
-    while k < len(path) and path[: k + 1] in tree_paths:
-        k += 1
-    return k + 1
-
-
 def greedy_trees(paths: list[RankPath], max_depth: int, max_nodes: int) -> list[tuple[list[RankPath], float]]:
     """Nested trees T_1 ⊂ T_2 ⊂ ... (T_n has n drafted nodes) and the gain of each added node.
 
     Mean acceptance of a tree = 1 + sum of the frequencies of its nodes, so a node's gain is the
-    fraction of steps whose accepted path starts with it.
+    fraction of positions whose true rank path starts with it. Ties: smaller rank sum, shallower.
     """
     counts = prefix_counts(paths)
-    n_steps = max(1, len(paths))
+    n = max(1, len(paths))
     tree: list[RankPath] = []
     frontier = {(0,)}
     out = []
@@ -124,7 +83,7 @@ def greedy_trees(paths: list[RankPath], max_depth: int, max_nodes: int) -> list[
         best = min(frontier, key=lambda p: (-counts.get(p, 0), sum(p), len(p), p))
         frontier.remove(best)
         tree.append(best)
-        out.append((list(tree), counts.get(best, 0) / n_steps))
+        out.append((list(tree), counts.get(best, 0) / n))
         frontier.add(best[:-1] + (best[-1] + 1,))  # next sibling
         if len(best) < max_depth:
             frontier.add(best + (0,))  # first child
@@ -136,8 +95,8 @@ def predicted_acceptance(tree_paths: Iterable[RankPath], paths: list[RankPath]) 
     return sum(accepted_in(s, p) for p in paths) / max(1, len(paths))
 
 
-def candidates(paths: list[RankPath], cfg: BankBuildConfig) -> list[dict]:
-    """Per size, the best greedy tree over max depths 1..D (ties -> shallower), on the acceptance front."""
+def candidates(paths: list[RankPath], cfg: BankBuildConfig) -> list[Tree]:
+    """Per size, the best greedy tree over max depths 1..D; only sizes that buy acceptance; spread."""
     by_size: dict[int, dict] = {}
     for depth in range(1, cfg.max_depth + 1):
         for nodes, _gain in greedy_trees(paths, depth, max(cfg.sizes)):
@@ -145,63 +104,20 @@ def candidates(paths: list[RankPath], cfg: BankBuildConfig) -> list[dict]:
             if n not in cfg.sizes:
                 continue
             acc = predicted_acceptance(nodes, paths)
-            if n not in by_size or acc > by_size[n]["predicted"] + 1e-12:
-                by_size[n] = {"paths": [list(p) for p in nodes], "predicted": acc, "max_depth": depth}
+            if n not in by_size or acc > by_size[n]["acc"] + 1e-12:
+                by_size[n] = {"paths": nodes, "acc": acc, "depth": depth}
     front, best = [], 1.0
     for n in sorted(by_size):  # acceptance front: more nodes must buy more acceptance
-        if by_size[n]["predicted"] > best + 1e-9:
-            front.append({"n_drafted": n, **by_size[n]})
-            best = by_size[n]["predicted"]
+        if by_size[n]["acc"] > best + 1e-9:
+            front.append(by_size[n])
+            best = by_size[n]["acc"]
     if len(front) > cfg.max_candidates - 1:  # keep the ends and spread the rest
         idx = sorted({round(i * (len(front) - 1) / (cfg.max_candidates - 2)) for i in range(cfg.max_candidates - 1)})
         front = [front[i] for i in idx]
-    return [{"n_drafted": 0, "paths": [], "predicted": 1.0, "max_depth": 0}] + front
-
-
-# -- stages 3+4: recalibration and throughput ------------------------------------------------
-
-
-def measure(
-    engine: Engine,
-    heads: DraftHeads,
-    prompts: list[list[int]],
-    trees: list[Tree],
-    new_tokens: int,
-    done: dict | None = None,
-    save: Callable[[dict], None] | None = None,
-    progress: Progress = _no_progress,
-) -> dict[str, list[dict]]:
-    """Real rollouts with every tree, interleaved per prompt. Per tree, per prompt: tokens, steps, seconds."""
-    results = done or {t.name: [] for t in trees}
-    for t in trees:
-        results.setdefault(t.name, [])
-    strategies = [Strategy(t.name, TopologyBank.of(t), StaticPolicy(0), heads if t.n_nodes > 1 else None) for t in trees]
-    engine.warmup([t.n_nodes for t in trees])
-    for i, ids in enumerate(progress(prompts, "measure trees", len(prompts))):
-        for st in strategies:
-            if len(results[st.name]) > i:
-                continue  # resumed
-            res = collect(engine.generate(ids, st, GenerationConfig(max_new_tokens=new_tokens)))
-            results[st.name].append(
-                {
-                    "tokens": res.new_tokens,
-                    "steps": len(res.steps),
-                    "seconds": res.elapsed_s,
-                    "step_ms": statistics.median(r.step_ms for r in res.steps),
-                }
-            )
-        if save:
-            save(results)
-    return results
-
-
-def summarize(rows: list[dict]) -> dict[str, float]:
-    tokens = sum(r["tokens"] for r in rows)
-    return {
-        "mean_accepted": round(tokens / max(1, sum(r["steps"] for r in rows)), 4),
-        "step_ms": round(statistics.median(r["step_ms"] for r in rows), 3),
-        "tokens_per_s": round(tokens / max(1e-9, sum(r["seconds"] for r in rows)), 3),
-    }
+    trees = [compile_tree([], "n1-d0")]
+    for c in front:
+        trees.append(compile_tree(c["paths"], f"n{len(c['paths']) + 1}-d{c['depth']}"))
+    return trees
 
 
 def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -215,73 +131,12 @@ def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-# -- stage 5: policy fitting by simulation ------------------------------------------------------
+# -- the machine: fingerprint and step costs ---------------------------------------------------
 
 
-def simulate(policy: Policy, rollouts: list[list[dict]], trees: list[Tree], step_ms: list[float]) -> dict:
-    """Tokens per second a policy would reach on the recorded steps, and the trees it picks."""
-    sets = [set(t.paths) for t in trees]
-    tokens, ms, picks = 0, 0.0, []
-    for steps in rollouts:
-        choose = policy.chooser()
-        row = []
-        for st in steps:
-            k = choose(st["s"])
-            row.append(k)
-            tokens += accepted_in(sets[k], tuple(st["path"]))
-            ms += step_ms[k]
-        picks.append(row)
-    return {"tokens_per_s": tokens / max(1e-9, ms) * 1e3, "picks": picks}
-
-
-def _quantiles(values: list[float], n: int) -> list[float]:
-    v = sorted(values)
-    return sorted({round(v[min(len(v) - 1, int(len(v) * q / n))], 6) for q in range(1, n)})
-
-
-def fit_policies(rollouts: list[list[dict]], trees: list[Tree], step_ms: list[float], measured_tps: list[float]) -> tuple[dict[str, Policy], dict[str, float]]:
-    """static = measured tokens/s argmax; ladder and tau = best simulated over a grid of s quantiles."""
-    static = StaticPolicy(max(range(len(trees)), key=lambda i: measured_tps[i]))
-    s_values = [st["s"] for steps in rollouts for st in steps]
-    grid = _quantiles(s_values, 12) if s_values else [0.5]
-    scores: dict[str, float] = {"static": simulate(static, rollouts, trees, step_ms)["tokens_per_s"]}
-
-    # ladder over all bank trees (sorted by size): coordinate ascent on the thresholds
-    k = len(trees)
-    thr = [grid[min(len(grid) - 1, round((i + 1) * len(grid) / k) - 1)] for i in range(k - 1)] if k > 1 else []
-    best = simulate(LadderPolicy(tuple(range(k)), tuple(thr)), rollouts, trees, step_ms)["tokens_per_s"]
-    for _ in range(3):
-        for i in range(len(thr)):
-            lo = thr[i - 1] if i else -1.0
-            hi = thr[i + 1] if i + 1 < len(thr) else 2.0
-            for g in [x for x in grid + [-0.5, 1.5] if lo <= x <= hi]:
-                trial = thr[:i] + [g] + thr[i + 1 :]
-                score = simulate(LadderPolicy(tuple(range(k)), tuple(trial)), rollouts, trees, step_ms)["tokens_per_s"]
-                if score > best + 1e-9:
-                    best, thr = score, trial
-    ladder = LadderPolicy(tuple(range(k)), tuple(thr))
-    scores["ladder"] = best
-
-    # tau: every (small < large) pair and tau_off <= tau_on on the grid
-    tau, best = TauPolicy(static.tree, static.tree, 2.0, 2.0), scores["static"]
-    for small in range(k):
-        for large in range(small + 1, k):
-            for on in grid:
-                for off in [g for g in grid if g <= on]:
-                    cand = TauPolicy(small, large, on, off)
-                    score = simulate(cand, rollouts, trees, step_ms)["tokens_per_s"]
-                    if score > best + 1e-9:
-                        best, tau = score, cand
-    scores["tau"] = best
-    return {"static": static, "ladder": ladder, "tau": tau}, scores
-
-
-# -- the whole build ----------------------------------------------------------------------------
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return f"cuda {torch.cuda.get_device_name(0)}"
+def device_name(device: torch.device | None = None) -> str:
+    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
+        return f"cuda {torch.cuda.get_device_name(device if device is not None else 0)}"
     name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -290,7 +145,265 @@ def hardware() -> str:
                 break
     except OSError:
         pass
-    return f"cpu {name}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    return f"cpu {name}, {os.cpu_count()} cores"
+
+
+def hardware() -> str:
+    """One line naming this machine, for reports."""
+    return f"{device_name()}, torch threads {torch.get_num_threads()}"
+
+
+def fingerprint(model: torch.nn.Module, kernels: str) -> dict[str, Any]:
+    """What decides the cost of a step besides the tree: device, threads, precision, kernels, torch."""
+    w = model.get_output_embeddings().weight
+    return {
+        "device": device_name(w.device),
+        "threads": torch.get_num_threads() if w.device.type == "cpu" else None,
+        "dtype": str(w.dtype).replace("torch.", ""),
+        "kernels": kernels,
+        "torch": torch.__version__,
+    }
+
+
+def describe(fp: dict[str, Any]) -> str:
+    threads = f", {fp['threads']} threads" if fp.get("threads") else ""
+    return f"{fp['device']}{threads}, {fp['dtype']}, {fp['kernels']} kernels, torch {fp['torch']}"
+
+
+def tree_key(tree: Tree) -> str:
+    return json.dumps(tree.as_lists())
+
+
+def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
+                  progress: Progress | None = None) -> tuple[dict[str, float], float]:
+    """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
+
+    Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
+    prompt, rounds interleaved over the trees after one untimed round. EOS is ignored so every
+    run takes its steps; the token values do not change the cost.
+    """
+    timer = Engine(engine.model)  # no EOS: every run decodes its full budget
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab // 8, vocab, (cfg.context,), generator=g).tolist()
+    unique = list({tree_key(t): t for t in trees}.values())
+    strategies = [Strategy(t.name, TopologyBank.of(t), StaticPolicy(0), heads if t.max_depth else None) for t in unique]
+    timer.warmup([t.n_nodes for t in unique], context=cfg.context)
+    step_ms: dict[str, list[float]] = {tree_key(t): [] for t in unique}
+    prefill: list[float] = []
+    rounds = range(cfg.rounds + 1)
+    for r in (progress(rounds, "timing trees", len(rounds)) if progress else rounds):
+        for t, st in zip(unique, strategies):
+            gen = GenerationConfig(max_new_tokens=cfg.steps * (t.max_depth + 1))
+            records = []
+            for rec in timer.generate(ids, st, gen):
+                records.append(rec)
+                if len(records) == cfg.steps:
+                    break
+            if r:  # round 0 warms caches and allocators
+                step_ms[tree_key(t)] += [rec.step_ms for rec in records]
+                prefill.append(records[0].prefill_ms)
+    costs = {k: statistics.median(v) for k, v in step_ms.items()}
+    return costs, statistics.median(prefill) / cfg.context
+
+
+# -- fitting the policies by exact simulation -------------------------------------------------
+
+
+def _quantiles(values: list[float], n: int) -> list[float]:
+    """About n-1 thresholds at the feature's quantiles, each halfway between two distinct values.
+
+    Halfway, so that no recorded value sits on a threshold: the engine's own feature differs
+    from the stored one in the last digits, and must fall on the same side.
+    """
+    v = sorted(set(values))
+    if len(v) < 2:
+        return [0.5]
+    picks = {min(len(v) - 2, int(len(v) * q / n)) for q in range(1, n)}
+    return sorted(round((v[k] + v[k + 1]) / 2, 7) for k in picks)
+
+
+def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefill_ms_per_token: float,
+             grid: int = 12, baseline: tuple[Tree, float] | None = None) -> dict[str, Any]:
+    """Front, static, ladder and τ for one task from its traces and the measured step costs.
+
+    Every candidate is scored by simulating the decode of every trace; the ladder runs over the
+    front, τ over pairs of front trees, each on every feature; the feature with the best
+    predicted throughput is kept. `baseline` (Hydra's tree and its step cost) is scored too.
+    """
+    all_trees = trees + ([baseline[0]] if baseline else [])
+    costs = step_ms + ([baseline[1]] if baseline else [])
+    tables = Tables(all_trees, traces)
+    depth = max(t.max_depth for t in trees)
+    feats = {f: [t.feature(f, depth) for t in traces] for f in FEATURES}
+
+    def run(policy: Policy):
+        return simulate(tables, policy.chooser, feats[policy.feature], costs, prefill_ms_per_token)
+
+    static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
+    per_tree = {t.name: {"mean_accepted": round(o.mean_accepted, 4), "step_ms": round(step_ms[i], 3),
+                         "tokens_per_s": round(o.tokens_per_s, 3)} for i, (t, o) in enumerate(zip(trees, static_runs))}
+    front = sorted(pareto([(step_ms[i], static_runs[i].mean_accepted) for i in range(len(trees))]), key=lambda i: trees[i].n_nodes)
+    static = StaticPolicy(max(range(len(trees)), key=lambda i: static_runs[i].tokens_per_s))
+    static_tps = static_runs[static.tree].tokens_per_s
+
+    # accepted length at each position with the largest candidate: what the features should predict
+    big = max(range(len(trees)), key=lambda i: trees[i].n_nodes)
+    acc_big = [a for row in tables.accepted[big] for a in row]
+    by_feature: dict[str, dict[str, Any]] = {}
+    best_feature, best_score, fitted = "p0", float("-inf"), {}
+    for f in FEATURES:
+        values = [v for row in feats[f] for v in row]
+        grid_f = _quantiles(values, grid)
+        ladder, ladder_tps = _fit_ladder(front, grid_f, f, run)
+        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, run)
+        by_feature[f] = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
+        if max(ladder_tps, tau_tps) > best_score + 1e-9:
+            best_feature, best_score, fitted = f, max(ladder_tps, tau_tps), {"ladder": ladder, "tau": tau}
+    policies = {"static": static, **fitted}
+    outcomes = {name: run(p) for name, p in policies.items()}
+    degenerate = {}
+    for name in ("ladder", "tau"):
+        used = sorted(set(outcomes[name].picks))
+        if len(used) == 1:
+            degenerate[name] = f"settles on one tree ({trees[used[0]].name}) on the traces: it never switches"
+    predicted = {"ar": round(static_runs[0].tokens_per_s, 3) if trees[0].n_nodes == 1 else None}
+    if baseline:
+        predicted["hydra"] = round(run(StaticPolicy(len(trees))).tokens_per_s, 3)
+    for name, o in outcomes.items():
+        predicted[f"entmtp-{name}"] = round(o.tokens_per_s, 3)
+    fit = {
+        "trees": per_tree,
+        "front": [trees[i].name for i in front],
+        "feature": best_feature,
+        "feature_depth": depth,
+        "features": by_feature,
+        "policies": policies_json(policies, trees),
+        "degenerate": degenerate,
+        "predicted_tokens_per_s": {k: v for k, v in predicted.items() if v is not None},
+        "predicted_mean_accepted": {f"entmtp-{k}": round(o.mean_accepted, 4) for k, o in outcomes.items()},
+        "prefill_ms_per_token": round(prefill_ms_per_token, 4),
+    }
+    if baseline:
+        b = run(StaticPolicy(len(trees)))
+        fit["baseline"] = {"name": baseline[0].name, "n_nodes": baseline[0].n_nodes, "step_ms": round(baseline[1], 3),
+                           "mean_accepted": round(b.mean_accepted, 4), "tokens_per_s": round(b.tokens_per_s, 3)}
+    return fit
+
+
+def _fit_ladder(front: list[int], grid: list[float], feature: str, run) -> tuple[LadderPolicy, float]:
+    """Thresholds over the front trees (by size) by coordinate ascent on the feature's quantiles."""
+    k = len(front)
+    thr = [grid[min(len(grid) - 1, round((i + 1) * len(grid) / k) - 1)] for i in range(k - 1)] if k > 1 else []
+    make = lambda t: LadderPolicy(tuple(front), tuple(t), feature)  # noqa: E731
+    best = run(make(thr)).tokens_per_s
+    for _ in range(3):
+        changed = False
+        for i in range(len(thr)):
+            lo = thr[i - 1] if i else -1.0
+            hi = thr[i + 1] if i + 1 < len(thr) else 2.0
+            for g in [x for x in grid + [-0.5, 1.5] if lo <= x <= hi and x != thr[i]]:
+                trial = thr[:i] + [g] + thr[i + 1 :]
+                score = run(make(trial)).tokens_per_s
+                if score > best + 1e-9:
+                    best, thr, changed = score, trial, True
+        if not changed:
+            break
+    return make(thr), best
+
+
+def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPolicy, static_tps: float, run) -> tuple[TauPolicy, float]:
+    """Every pair small < large of front trees, τ_off <= τ_on on the grid; the static tree if none beats it."""
+    best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, feature), static_tps
+    for a, small in enumerate(front):
+        for large in front[a + 1 :]:
+            for on in grid:
+                for off in [g for g in grid if g <= on]:
+                    cand = TauPolicy(small, large, on, off, feature)
+                    score = run(cand).tokens_per_s
+                    if score > best + 1e-9:
+                        best, best_pol = score, cand
+    return best_pol, best
+
+
+# -- calibrate: this machine's fit, cached ------------------------------------------------------
+
+
+def fit_cache_file(cache_root: Path, bank: TopologyBank, fp: dict[str, Any]) -> Path:
+    key = hashlib.sha256(json.dumps([fp, bank.portable_key()], sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_root) / "fits" / f"{bank.meta.get('model', 'model')}-{bank.meta.get('task', 'task')}-{key}.json"
+
+
+def load_fit(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_fit(path: Path, fit: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(fit, indent=1))
+    tmp.replace(path)
+
+
+def calibrate(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
+              cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
+              progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+    """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
+    t0 = time.perf_counter()
+    trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
+    costs, prefill = measure_costs(engine, heads, trees, cfg, progress)
+    measured_s = time.perf_counter() - t0
+    out = {}
+    for task, bank in banks.items():
+        t1 = time.perf_counter()
+        fit = fit_task(bank.trees, bank.traces, [costs[tree_key(t)] for t in bank.trees], prefill, cfg.grid,
+                       (baseline, costs[tree_key(baseline)]) if baseline else None)
+        fit_s = time.perf_counter() - t1
+        out[task] = {
+            "hardware": describe(fp),
+            "fingerprint": fp,
+            "date": datetime.date.today().isoformat(),
+            "seconds": round(measured_s * len(bank.trees) / max(1, len(trees)) + fit_s, 2),
+            "context": cfg.context,
+            **fit,
+        }
+    return out
+
+
+def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any], cache_root: Path,
+                 mode: str = "auto", cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
+                 progress: Progress | None = None) -> dict[str, TopologyBank]:
+    """Each bank under the fit for this machine.
+
+    mode "shipped": the fit saved in the bank file, wherever it was measured. "auto": the file's
+    fit when it was measured on a machine with this fingerprint, else this machine's cached fit,
+    else calibrate now (once) and cache. "refit": calibrate now whatever is cached.
+    """
+    if mode not in ("auto", "shipped", "refit"):
+        raise ValueError(f"unknown fit mode {mode!r} (expected auto, shipped or refit)")
+    out, missing = {}, {}
+    for task, bank in banks.items():
+        if mode == "shipped" or mode == "auto" and bank.shipped_fit.get("fingerprint") == fp:
+            out[task] = bank
+            continue
+        cached = load_fit(fit_cache_file(cache_root, bank, fp)) if mode == "auto" else None
+        try:
+            out[task] = bank.with_fit(cached) if cached else None
+        except ValueError:  # a stale or damaged cache entry: measure again
+            out[task] = None
+        if out[task] is None:
+            missing[task] = bank
+    if missing:
+        for task, fit in calibrate(engine, heads, missing, fp, cfg, baseline, progress).items():
+            save_fit(fit_cache_file(cache_root, missing[task], fp), fit)
+            out[task] = missing[task].with_fit(fit)
+    return out
+
+
+# -- the whole build -------------------------------------------------------------------------------
 
 
 class Stages:
@@ -320,57 +433,23 @@ def build_bank(
     calib_prompts: list[list[int]],
     cfg: BankBuildConfig,
     stages: Stages,
-    provenance: dict,
     meta: dict,
-    progress: Progress = _no_progress,
+    fp: dict[str, Any],
+    calib: CalibrateConfig = CalibrateConfig(),
+    progress: Progress | None = None,
     baseline: Tree | None = None,
-) -> tuple[TopologyBank, dict]:
-    """Run (or resume) all stages and return the bank and a report of what each stage found.
-
-    `baseline` (Hydra's default tree) is measured alongside the candidates, for comparison only.
-    """
-    key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)}, "heads": provenance.get("heads_sha256")}
+) -> TopologyBank:
+    """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable)."""
+    key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)},
+           "heads": meta["provenance"].get("heads_sha256")}
     if stages.load("stage0") not in (None, key):
         raise ValueError(f"{stages.work} holds a build with other settings; pass --fresh or another --work")
     stages.save("stage0", key)
-
-    rollouts = stages.load("stage1")
-    if rollouts is None:
-        sup = superset_tree(cfg.max_depth)
-        engine.warmup([sup.n_nodes])
-        rollouts = joint_rollout(engine, heads, calib_prompts, sup, cfg.calib_new_tokens, progress)
-        stages.save("stage1", rollouts)
-    paths = [tuple(st["path"]) for steps in rollouts for st in steps]
-
-    cands = stages.load("stage2")
-    if cands is None:
-        cands = candidates(paths, cfg)
-        stages.save("stage2", cands)
-    trees = [compile_tree(c["paths"], f"n{c['n_drafted'] + 1}-d{c['max_depth']}") for c in cands]
-
-    measured = measure(
-        engine,
-        heads,
-        calib_prompts[: cfg.measure_prompts],
-        trees + ([baseline] if baseline is not None else []),
-        cfg.measure_new_tokens,
-        stages.load("stage3"),
-        lambda r: stages.save("stage3", r),
-        progress,
-    )
-    stats = []
-    for t, c in zip(trees, cands):
-        stats.append({"n_nodes": t.n_nodes, "predicted": round(c["predicted"], 4), **summarize(measured[t.name])})
-    front = sorted(pareto([(s["step_ms"], s["mean_accepted"]) for s in stats]), key=lambda i: stats[i]["n_nodes"])
-    bank_trees = [trees[i] for i in front]
-    bank_stats = [{k: stats[i][k] for k in ("mean_accepted", "step_ms", "tokens_per_s")} for i in front]
-    policies, scores = fit_policies(
-        rollouts, bank_trees, [s["step_ms"] for s in bank_stats], [s["tokens_per_s"] for s in bank_stats]
-    )
-    provenance = {**provenance, "date": datetime.date.today().isoformat(), "hardware": hardware()}
-    meta = {**meta, "provenance": provenance, "simulated_tokens_per_s": {k: round(v, 3) for k, v in scores.items()}}
-    report = {"candidates": [{"id": t.name, **s} for t, s in zip(trees, stats)], "front": [trees[i].name for i in front], "simulated": scores}
-    if baseline is not None:
-        meta["baseline"] = {"name": baseline.name, "n_nodes": baseline.n_nodes, **summarize(measured[baseline.name])}
-        report["baseline"] = meta["baseline"]
-    return TopologyBank(bank_trees, bank_stats, policies, meta), report
+    traces = record_all(engine, heads, calib_prompts, cfg.calib_new_tokens, cfg.max_depth,
+                        stages.load("stage1"), lambda t: stages.save("stage1", t), progress)
+    paths = [t.rank_path(i) for t in traces for i in range(len(t))]
+    trees = candidates(paths, cfg)
+    bank = TopologyBank(trees, [{} for _ in trees], {"static": StaticPolicy(0)}, meta, traces)
+    fit = calibrate(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress)[meta["task"]]
+    bank.shipped_fit = fit
+    return bank.with_fit(fit)

@@ -41,6 +41,7 @@ from .config import (
     PromptLookupConfig,
 )
 from .baselines import hf_generate
+from .calibrate import CalibrateConfig, fingerprint, resolve_fits
 from .engine import Engine, StepRecord, Strategy
 from .heads import DraftHeads, HeadsError, load_heads
 from .policy import StaticPolicy
@@ -292,6 +293,10 @@ class Runtime:
     heads_paths: dict[str, str | None] = field(default_factory=dict)  # kind -> user-given path
     banks_dir: Path = BANKS_DIR
     weights: str = ""  # which weights were loaded, one line (Weights.description)
+    fit_mode: str = "shipped"  # shipped: the bank file's fit | auto: this machine's (calibrated once) | refit
+    calibrate_config: CalibrateConfig = field(default_factory=CalibrateConfig)
+    cache_root: Path | None = None  # where this machine's fits are cached (None: the model cache root)
+    progress: Any = None  # progress(iterable, desc, total) for a calibration run
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
@@ -306,9 +311,27 @@ class Runtime:
         return self._heads[kind]
 
     def bank(self, task: str) -> TopologyBank:
-        if task not in self._banks:
-            self._banks[task] = resolve_bank(self.name, task, self.banks_dir)
-        return self._banks[task]
+        return self.banks([task])[task]
+
+    def banks(self, tasks: list[str]) -> dict[str, TopologyBank]:
+        """The tasks' banks under the fit `fit_mode` asks for; tasks that need calibrating are timed together."""
+        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks) if t not in self._banks}
+        if need:
+            fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+            if not self._trees:
+                self._trees = load_named_trees(TREES_FILE)
+            try:
+                self._banks.update(resolve_fits(
+                    self.engine, self.heads("hydra"), need, fp, self.cache_root or _cache_root(ModelConfig()),
+                    self.fit_mode, self.calibrate_config, self._trees[BASELINE_TREE], self.progress))
+            except BankError as e:
+                raise LoadError(str(e)) from None
+        return {t: self._banks[t] for t in tasks}
+
+    def fitted_here(self, task: str) -> bool:
+        """Whether the task's bank is fitted to this machine (not the shipped fit of another one)."""
+        fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+        return self.bank(task).fit.get("fingerprint") == fp
 
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""
@@ -361,7 +384,13 @@ def load_runtime(
     hydra_heads: str | None = None,
     medusa_heads: str | None = None,
     banks_dir: str | Path | None = None,
+    fit_mode: str = "shipped",
+    calibrate_config: CalibrateConfig | None = None,
+    progress: Any = None,
 ) -> Runtime:
+    """Model, tokenizer and engine; heads and banks load on first use. `fit_mode` picks the banks'
+    fit: "shipped" (the file's, no timing), "auto" (this machine's, calibrated once and cached)
+    or "refit" (calibrate now)."""
     weights = resolve_weights(cfg)
     model, tok = load_model(cfg, weights)
     return Runtime(
@@ -372,4 +401,8 @@ def load_runtime(
         {"hydra": hydra_heads, "medusa": medusa_heads},
         Path(banks_dir) if banks_dir else BANKS_DIR,
         weights=weights.description,
+        fit_mode=fit_mode,
+        calibrate_config=calibrate_config or CalibrateConfig(),
+        cache_root=_cache_root(cfg),
+        progress=progress,
     )

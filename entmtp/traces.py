@@ -68,9 +68,9 @@ class Trace:
         return {
             "prompt_tokens": self.prompt_tokens,
             "ranks": self.ranks,
-            "p0": [round(x, 5) for x in self.p0],
-            "entropy": [round(x, 4) for x in self.entropy],
-            "chain": [[round(x, 4) for x in row] for row in self.chain],
+            "p0": [round(x, 7) for x in self.p0],
+            "entropy": [round(x, 6) for x in self.entropy],
+            "chain": [[round(x, 6) for x in row] for row in self.chain],
         }
 
     @classmethod

@@ -1,25 +1,39 @@
-"""Offline bank building on the tiny model: greedy trees, exact predictions, real recalibration, policies."""
+"""Banks that travel, on the tiny model: traces, exact simulation, candidate trees, fitting, caching."""
 
+import json
 import random
 
 import pytest
 
 from entmtp import calibrate as cal
+from entmtp import traces as tr
 from entmtp.bank import TopologyBank, parse_bank
 from entmtp.config import GenerationConfig
 from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import StaticPolicy
+from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import compile_tree
-from conftest import random_heads, tiny_llama
+from conftest import random_heads, random_tree, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def setup():
+N_NEW = 40
+
+
+@pytest.fixture(scope="module", params=["hydra", "prefix-mlp", "medusa"])
+def setup(request):
     m = tiny_llama(seed=5, vocab=12)
-    heads = random_heads(m, "hydra")
+    kind = "medusa" if request.param == "medusa" else "hydra"
+    kw = {"arch": "prefix-mlp", "shared_lm_head": False} if request.param == "prefix-mlp" else {}
+    heads = random_heads(m, kind, **kw)
     rng = random.Random(0)
     prompts = [[rng.randrange(12) for _ in range(rng.randint(3, 9))] for _ in range(6)]
-    return Engine(m), heads, prompts
+    engine = Engine(m)
+    traces = tr.record_all(engine, heads, prompts, N_NEW, 4)
+    return engine, heads, prompts, traces
+
+
+def real_run(engine, heads, prompt, bank, policy):
+    return collect(engine.generate(prompt, Strategy("t", bank, policy, heads if bank.max_depth else None),
+                                   GenerationConfig(max_new_tokens=N_NEW)))
 
 
 def test_greedy_trees_are_nested_valid_and_gains_justified():
@@ -53,70 +67,140 @@ def test_ties_prefer_smaller_rank_sum_then_shallower():
     assert [n[-1] for n, _ in seq] == [(0,), (0, 0), (1,), (0, 1)]
 
 
-def test_joint_rollout_predictions_are_exact(setup):
-    engine, heads, prompts = setup
-    sup = cal.superset_tree(4)
-    rollouts = cal.joint_rollout(engine, heads, prompts, sup, 40)
-    paths = [tuple(s["path"]) for steps in rollouts for s in steps]
-    assert cal.predicted_acceptance(sup.paths, paths) > 1.5, "drafts must really be accepted"
-    # the superset predicts its own acceptance exactly
-    st = Strategy("sup", TopologyBank.of(sup), StaticPolicy(0), heads)
-    real = [collect(engine.generate(p, st, GenerationConfig(max_new_tokens=40))) for p in prompts]
-    assert paths == [cal.rank_path(sup, r.accepted_nodes) for res in real for r in res.steps if not r.finished]
-    # at a prompt's first step every subtree sees the same state: the prediction is exact there
-    for sub in ([[0]], [[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0]]):
-        tree = compile_tree(sub)
-        st = Strategy("sub", TopologyBank.of(tree), StaticPolicy(0), heads)
-        for p, steps in zip(prompts, rollouts):
-            first = next(iter(engine.generate(p, st, GenerationConfig(max_new_tokens=40))))
-            assert first.accepted == cal.accepted_in(set(tree.paths), tuple(steps[0]["path"]))
+def test_traces_predict_every_tree_exactly(setup):
+    """Simulated steps and accepted lengths equal a real rollout's, step by step, for any tree."""
+    engine, heads, prompts, traces = setup
+    rng = random.Random(7)
+    trees = [compile_tree([], "ar"), compile_tree([[0], [1], [1, 0]], "late-chain")]
+    trees += [compile_tree(random_tree(rng, 24, 4), f"r{i}") for i in range(6)]
+    tables = tr.Tables(trees, traces)
+    feats = [t.feature("p0", 4) for t in traces]
+    accepted_some = False
+    for k, tree in enumerate(trees):
+        for j, prompt in enumerate(prompts):
+            real = real_run(engine, heads, prompt, TopologyBank.of(tree), StaticPolicy(0))
+            sim = tr.simulate(tr.Tables([tree], [traces[j]]), StaticPolicy(0).chooser, [feats[j]], [1.0])
+            assert sim.steps == len(real.steps) and sim.tokens == real.new_tokens, (tree.name, j)
+            accepted_some |= any(r.accepted > 1 for r in real.steps)
+        assert tables.accepted[k][0][0] >= 1
+    assert accepted_some, "the heads must really get drafts accepted"
 
 
-def test_build_bank_end_to_end(setup, tmp_path):
-    engine, heads, prompts = setup
-    cfg = cal.BankBuildConfig(calib_new_tokens=32, measure_prompts=3, measure_new_tokens=24, max_candidates=5)
-    prov = {"model": "tiny", "heads_sha256": "x", "calibration": "random", "command": "test"}
-    stages = cal.Stages(tmp_path / "work")
-    bank, report = cal.build_bank(engine, heads, prompts, cfg, stages, prov, {"model": "tiny", "task": "chat"})
-    assert len(bank) >= 2 and bank.trees[0].n_nodes == 1
-    assert [t.n_nodes for t in bank.trees] == sorted(t.n_nodes for t in bank.trees)
-    back = parse_bank(bank.to_json())  # the written file passes its own validation
+@pytest.mark.parametrize("feature", ["p0", "path_value", "neg_entropy"])
+def test_traces_predict_switching_policies_exactly(setup, feature):
+    """A ladder and a τ policy pick the same tree at every step in simulation and in the engine."""
+    engine, heads, prompts, traces = setup
+    trees = [compile_tree([], "ar"), compile_tree([[0]], "c1"), compile_tree([[0], [1], [0, 0]], "t3"),
+             compile_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]], "t8")]
+    bank = TopologyBank(trees, [{}] * 4, {})
+    values = sorted(v for t in traces for v in t.feature(feature, bank.max_depth))
+    q = cal._quantiles(values, 4)
+    assert len(q) == 3
+    policies = [LadderPolicy((0, 1, 2, 3), tuple(q), feature), TauPolicy(1, 3, q[2], q[0], feature)]
+    tables = tr.Tables(trees, traces)
+    for policy in policies:
+        for j, prompt in enumerate(prompts):
+            real = real_run(engine, heads, prompt, bank, policy)
+            sim = tr.simulate(tr.Tables(trees, [traces[j]]), policy.chooser, [traces[j].feature(feature, bank.max_depth)], [1.0] * 4)
+            assert sim.picks == [r.tree_index for r in real.steps], (policy, j)
+            assert sim.tokens == real.new_tokens
+        picks = tr.simulate(tables, policy.chooser, [t.feature(feature, 4) for t in traces], [1.0] * 4).picks
+        assert len(set(picks)) > 1, "thresholds at the quantiles must make the policy switch"
+
+
+def synthetic(n_traces: int = 4, n: int = 60) -> list[tr.Trace]:
+    """Positions alternate between confident (p0 0.9: the chain (0,0,0) is right) and unsure
+    (p0 0.2: nothing is accepted) in runs of five."""
+    out = []
+    for _ in range(n_traces):
+        ranks, p0 = [], []
+        for i in range(n):
+            sure = (i // 5) % 2 == 0
+            ranks.append([0, 0, 0, 0] if sure else [3, -1, -1, -1])
+            p0.append(0.9 if sure else 0.2)
+        out.append(tr.Trace(10, ranks, p0, [0.5] * n, [[0.9] * 4 for _ in range(n)]))
+    return out
+
+
+def test_fit_switches_where_switching_pays():
+    """Big trees cost twice a small one: τ must go big exactly on confident positions and beat static."""
+    trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
+    costs = [10.0, 11.0, 20.0]
+    fit = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12)
+    pol = fit["policies"]
+    assert pol["static"]["tree"] == "n2-d1"  # static: one cheap draft beats paying 20 ms on unsure steps
+    assert {pol["tau"]["small"], pol["tau"]["large"]} == {"n2-d1", "n4-d3"} or pol["tau"]["small"] == "n1-d0"
+    assert fit["predicted_tokens_per_s"]["entmtp-tau"] > 1.2 * fit["predicted_tokens_per_s"]["entmtp-static"]
+    assert fit["predicted_tokens_per_s"]["entmtp-ladder"] > 1.2 * fit["predicted_tokens_per_s"]["entmtp-static"]
+    assert not fit["degenerate"]
+    assert fit["features"]["p0"]["spearman"] > 0.9  # p0 predicts acceptance perfectly here
+    # with the big tree as cheap as the small one nothing is worth switching for: τ says so
+    flat = cal.fit_task(trees, synthetic(), [10.0, 10.0, 10.0], 0.0, grid=12)
+    assert flat["policies"]["static"]["tree"] == "n4-d3"
+    assert "tau" in flat["degenerate"] and "never switches" in flat["degenerate"]["tau"]
+
+
+def test_fit_prices_each_tree_by_its_traces():
+    trees = [compile_tree([], "n1-d0"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
+    fit = cal.fit_task(trees, synthetic(2, 20), [10.0, 20.0], 1.0)
+    # per trace (20 positions, runs of 5): steps at 0, 4 (sure: +4 each), 8, 9 (unsure: +1), 10, 14, 18, 19
+    n4 = fit["trees"]["n4-d3"]
+    assert n4["mean_accepted"] == pytest.approx(40 / 16)
+    assert n4["tokens_per_s"] == pytest.approx(40 / (16 * 20.0 + 2 * 10 * 1.0) * 1e3, rel=1e-3)
+    assert fit["trees"]["n1-d0"]["tokens_per_s"] == pytest.approx(40 / (40 * 10.0 + 20.0) * 1e3, rel=1e-3)
+
+
+def tiny_bank(setup, tmp_path, fp):
+    engine, heads, prompts, _ = setup
+    cfg = cal.BankBuildConfig(calib_new_tokens=24, max_candidates=5)
+    prov = {"model": "tiny", "heads_sha256": "x", "calibration": "random", "command": "test", "date": "d", "hardware": "h"}
+    calib = cal.CalibrateConfig(context=16, rounds=1, steps=2)
+    return cal.build_bank(engine, heads, prompts, cfg, cal.Stages(tmp_path / "work"),
+                          {"model": "tiny", "task": "chat", "provenance": prov}, fp, calib)
+
+
+def test_build_bank_end_to_end_and_resume(setup, tmp_path):
+    engine, heads, prompts, _ = setup
+    fp = {"device": "cpu test", "threads": 1, "dtype": "float32", "kernels": "stock", "torch": "x"}
+    bank = tiny_bank(setup, tmp_path, fp)
+    assert bank.trees[0].n_nodes == 1 and len(bank.trees) >= 3 and len(bank.traces) == len(prompts)
+    assert bank.fit["fingerprint"] == fp and bank.shipped_fit is bank.fit
+    back = parse_bank(json.loads(json.dumps(bank.to_json())))  # the written file passes its own validation
     assert [t.paths for t in back.trees] == [t.paths for t in bank.trees]
-
-    # recalibrated acceptance and throughput come from real rollouts with that tree
-    for t, st in zip(bank.trees, bank.stats):
-        strategy = Strategy(t.name, TopologyBank.of(t), StaticPolicy(0), heads if t.n_nodes > 1 else None)
-        runs = [collect(engine.generate(p, strategy, GenerationConfig(max_new_tokens=24))) for p in prompts[:3]]
-        tokens, steps = sum(r.new_tokens for r in runs), sum(len(r.steps) for r in runs)
-        assert st["mean_accepted"] == pytest.approx(tokens / steps, abs=1e-4)
-
-    # resuming reuses every stage: the same bank comes back without decoding again
+    assert back.fit == bank.fit and back.policies == bank.policies
+    # the candidates are nested by acceptance: more nodes, more accepted tokens on the traces
+    acc = [bank.fit["trees"][t.name]["mean_accepted"] for t in bank.trees]
+    assert acc == sorted(acc) and acc[-1] > acc[0]
+    # resuming reuses the traces: no greedy decode runs again (only the timing steps)
     calls = []
-    orig = engine.generate
-    engine.generate = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    orig = cal.record_all.__globals__["record"]
+    cal.record_all.__globals__["record"] = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
-        again, _ = cal.build_bank(engine, heads, prompts, cfg, cal.Stages(tmp_path / "work"), prov, {"model": "tiny", "task": "chat"})
+        again = tiny_bank(setup, tmp_path, fp)
     finally:
-        engine.generate = orig
+        cal.record_all.__globals__["record"] = orig
     assert not calls and [t.paths for t in again.trees] == [t.paths for t in bank.trees]
 
 
-def test_fitted_policies_reproduce_their_simulated_choices(setup):
-    engine, heads, prompts = setup
-    trees = [compile_tree([], "ar"), compile_tree([[0]], "c1"), compile_tree([[0], [1], [0, 0]], "t3"), cal.superset_tree(3)]
-    rollouts = cal.joint_rollout(engine, heads, prompts, cal.superset_tree(4), 32)
-    step_ms = [10.0, 14.0, 16.0, 40.0]
-    policies, scores = cal.fit_policies(rollouts, trees, step_ms, [1.0, 2.0, 3.0, 1.5])
-    assert policies["static"].tree == 2
-    bank = TopologyBank(trees, [{}] * 4, policies)
-    for name, policy in policies.items():
-        sim = cal.simulate(policy, rollouts, trees, step_ms)
-        assert sim["tokens_per_s"] == pytest.approx(scores[name])
-        for steps, picks in zip(rollouts, sim["picks"]):  # the chooser replays the same picks
-            choose = policy.chooser()
-            assert [choose(s["s"]) for s in steps] == picks
-        # and in a real run the engine follows the policy on its own features
-        res = collect(engine.generate(prompts[0], Strategy(name, bank, policy, heads), GenerationConfig(max_new_tokens=32)))
-        choose = policy.chooser()
-        assert [r.tree_index for r in res.steps] == [choose(r.s) for r in res.steps]
-    assert scores["tau"] >= scores["static"] - 1e-9
+def test_fits_are_cached_per_machine(setup, tmp_path, monkeypatch):
+    engine, heads, *_ = setup
+    fp_a = {"device": "cpu A", "threads": 1, "dtype": "float32", "kernels": "stock", "torch": "x"}
+    fp_b = {**fp_a, "device": "cpu B"}
+    bank = tiny_bank(setup, tmp_path, fp_a)
+    calib = cal.CalibrateConfig(context=16, rounds=1, steps=2)
+    timed = []
+    real = cal.measure_costs
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: timed.append(1) or real(*a, **k))
+    # on the machine that built it, the shipped fit is this machine's: nothing is timed
+    got = cal.resolve_fits(engine, heads, {"chat": bank}, fp_a, tmp_path / "cache", "auto", calib)
+    assert got["chat"].fit is bank.shipped_fit and not timed
+    # elsewhere: timed once, cached, then read back
+    got = cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "auto", calib)
+    assert len(timed) == 1 and got["chat"].fit["fingerprint"] == fp_b
+    assert cal.fit_cache_file(tmp_path / "cache", bank, fp_b).exists()
+    again = cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "auto", calib)
+    assert len(timed) == 1 and again["chat"].fit == got["chat"].fit
+    # --no-calibrate: the shipped fit whatever the machine; refit: timed again
+    assert cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "shipped", calib)["chat"].fit is bank.shipped_fit
+    cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "refit", calib)
+    assert len(timed) == 2

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--context", type=positive_int, default=c.context, help="tokens of context a step is timed at")
     ca.add_argument("--rounds", type=positive_int, default=c.rounds, help="timed rounds per tree")
     ca.add_argument("--steps", type=positive_int, default=c.steps, help="decode steps timed per round")
+    ca.add_argument("--ship", action="store_true",
+                    help="also save the fit into the bank files as the fit they ship with (for maintainers)")
     add_model_args(ca, fit=False)
 
     bc = BenchConfig()
@@ -435,6 +437,12 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     for task, bank in banks.items():
         print(f"== {task}")
         print(fit_table(bank.fit))
+        if args.ship:
+            from .loading import bank_path
+
+            bank.shipped_fit = bank.fit
+            out = bank.save(bank_path(rt.name, task, rt.banks_dir))
+            print(f"shipped fit saved in {out}; figure {_bank_figure(bank, rt.slug, task)}")
     hardware = next(iter(banks.values())).fit["hardware"]
     print(json.dumps({"hardware": hardware, "seconds": round(time.perf_counter() - t0, 1),
                       "tasks": {t: _fit_summary(b.fit) for t, b in banks.items()}}))

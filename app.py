@@ -1,11 +1,13 @@
 """EntMTP demo: EntMTP and a baseline (Hydra, Medusa or plain decoding) race side by side.
 
-Gradio UI only: it builds `demo` at import, loads the engine lazily once per model, keeps each
-user's last race in `gr.State`, and formats the engine's step records into panes and charts.
-`python app.py` serves it locally (CPU, the default model, no download). Environment:
-ENTMTP_APP_MODEL (model id or path), ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (head
-folders or hub repos), ENTMTP_APP_CONCURRENCY (races served at once; default 1 so that two
-races do not share the CPU and skew each other's clocks).
+Layout and wiring only; the race itself (models, validation, strategies, sides, badge) is
+`entmtp.race`. Builds `demo` at import and keeps each user's last race in `gr.State`.
+`python app.py` serves it locally (CPU, the default model, offline). Environment:
+ENTMTP_APP_MODEL (model id or path), ENTMTP_APP_MODELS (comma-separated models the Advanced box
+may load; default: only the app's model), ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (head
+folders or hub repos), ENTMTP_APP_FIT (auto: fit the banks to this machine once, the default;
+shipped: the fit in the bank files), ENTMTP_APP_CONCURRENCY (races served at once; default 1 so
+that two races do not share the CPU and skew each other's clocks).
 """
 
 from __future__ import annotations
@@ -15,30 +17,21 @@ try:  # on a ZeroGPU Space `spaces` must be imported before anything initialises
 except ImportError:
     spaces = None
 
-import functools
 import os
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
 
 import gradio as gr
-import torch
 
 from entmtp import plots
 from entmtp.bank import TopologyBank
-from entmtp.config import BASELINE_TREE, DEFAULT_MODEL, TASKS, GenerationConfig, ModelConfig
-from entmtp.engine import GenerationError, StepRecord, Strategy
-from entmtp.loading import LoadError, Runtime, bank_path, load_runtime, resolve_bank
+from entmtp.config import DEFAULT_MODEL, TASKS
+from entmtp.engine import GenerationError
+from entmtp.loading import LoadError, resolve_bank
 from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree
+from entmtp.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for,
+                         bank_note, fallback_bank, has_bank, needs_fit, start, tree_view, validate)
 
-POLICIES = {"tau": "EntMTPτ (two trees, hysteresis)", "ladder": "EntMTP-ladder (thresholds)", "static": "EntMTP* (one static tree)"}
-BASELINES = {"hydra": "Hydra (63-node default tree)", "medusa": "Medusa (63-node default tree)", "ar": "Plain decoding (AR)"}
-MAX_NEW_TOKENS = (1, 1024)
-TEMPERATURE = (0.0, 2.0)
-MAX_PROMPT_TOKENS = 2048  # a CPU prefill of more takes tens of seconds; the model allows 8192
-MAX_PROMPT_CHARS = 20_000  # refused before tokenising
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
 EXAMPLES = [
     ["Write a Python function `is_palindrome(s)` that ignores case and spaces, with a docstring.", "code"],
@@ -56,6 +49,8 @@ class AppConfig:
     hydra_heads: str | None = None
     medusa_heads: str | None = None
     concurrency: int = 1
+    models: tuple[str, ...] = ()  # further models the Advanced box may load (the app's own always)
+    fit: str = "auto"  # auto: banks fitted to this machine (timed once) | shipped: the bank files' fit
 
     @classmethod
     def from_env(cls) -> "AppConfig":
@@ -64,211 +59,57 @@ class AppConfig:
             hydra_heads=os.environ.get("ENTMTP_APP_HYDRA_HEADS") or None,
             medusa_heads=os.environ.get("ENTMTP_APP_MEDUSA_HEADS") or None,
             concurrency=int(os.environ.get("ENTMTP_APP_CONCURRENCY", "1")),
+            models=tuple(m.strip() for m in os.environ.get("ENTMTP_APP_MODELS", "").split(",") if m.strip()),
+            fit=os.environ.get("ENTMTP_APP_FIT", "auto"),
         )
 
-
-# -- engine and banks, loaded lazily once --------------------------------------------------------
-
-_LOAD_LOCK = threading.Lock()  # two first requests must not load the same model twice
-
-
-@functools.lru_cache(maxsize=2)
-def _load(model: str, hydra_heads: str | None, medusa_heads: str | None) -> Runtime:
-    return load_runtime(ModelConfig(model=model), hydra_heads=hydra_heads, medusa_heads=medusa_heads)
-
-
-def get_runtime(cfg: AppConfig, model: str) -> Runtime:
-    """The runtime of `model`; head paths from the environment apply to the app's own model."""
-    own = model == cfg.model
-    with _LOAD_LOCK:
-        return _load(model, cfg.hydra_heads if own else None, cfg.medusa_heads if own else None)
-
-
-def fallback_bank() -> TopologyBank:
-    """A small uncalibrated bank for when banks/<model>/<task>.json does not exist yet."""
-    specs = [("root", []), ("chain2", chain(2)), ("t4", [[0], [1], [0, 0]]),
-             ("t8", [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])]
-    trees = [compile_tree(p, name) for name, p in specs]
-    policies = {"static": StaticPolicy(2), "ladder": LadderPolicy((0, 1, 2, 3), (0.3, 0.6, 0.85)),
-                "tau": TauPolicy(1, 3, 0.8, 0.5)}
-    return TopologyBank(trees, [{} for _ in trees], policies, {"fallback": True})
-
-
-def bank_for(model: str, task: str) -> tuple[TopologyBank, str]:
-    """(bank, one-line provenance for the UI). A missing file gives the fallback; a bad one raises."""
-    path = bank_path(model, task)
-    if not path.exists():
-        return fallback_bank(), (
-            f"⚠️ **Built-in fallback bank** (4 small trees, thresholds not calibrated): `{path.name}` "
-            f"for this model does not exist yet. Build it with `python -m entmtp build-bank --task {task}`."
-        )
-    bank = resolve_bank(model, task)
-    prov = bank.meta.get("provenance", {})
-    hw = prov.get("hardware", "?")
-    hw = hw.get("device", hw.get("cpu", hw)) if isinstance(hw, dict) else hw
-    return bank, f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}), measured on {hw}, {prov.get('date', '')}."
+    def registry(self) -> Models:
+        return Models(self.model, self.models, self.hydra_heads, self.medusa_heads, self.fit)
 
 
 def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
     """Slider values for the τ override: the fitted thresholds when they lie in the sliders' range [0, 1].
 
-    A degenerate fit (one tree, thresholds parked above 1) must not reach the sliders: Gradio
-    refuses out-of-range slider values on every race, whether or not the override is ticked.
+    A degenerate fit (one tree, thresholds parked at or above 1) must not reach the sliders:
+    Gradio refuses out-of-range slider values on every race, whether or not the override is ticked.
     """
     pol = bank.policies.get("tau")
-    if isinstance(pol, TauPolicy) and 0.0 <= pol.tau_off <= pol.tau_on <= 1.0:
+    if isinstance(pol, TauPolicy) and pol.small != pol.large and 0.0 <= pol.tau_off <= pol.tau_on <= 1.0:
         return pol.tau_on, pol.tau_off
     return 0.8, 0.5
-
-
-# -- one side of the race ------------------------------------------------------------------------
-
-
-@dataclass
-class Side:
-    """A generator of step records plus what the UI shows of it."""
-
-    name: str
-    steps: Iterator[StepRecord]
-    records: list[StepRecord] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    spans: list[tuple[str, str | None]] = field(default_factory=list)  # (text, "accepted draft" or None)
-    done: bool = False
-
-    def advance(self, rt: Runtime) -> None:
-        rec = next(self.steps)
-        self.records.append(rec)
-        if rec.tokens:
-            # the root token is the model's own prediction; the rest were drafts it accepted
-            n = len(self.ids)
-            self.ids += rec.tokens
-            with_root = rt.decode(self.ids[: n + 1])
-            full = rt.decode(self.ids)
-            self.spans.append((with_root[len(self.text):], None))
-            if len(rec.tokens) > 1:
-                self.spans.append((full[len(with_root):], "accepted draft"))
-            self.text = full
-        self.done = rec.finished
-
-    @property
-    def seconds(self) -> float:
-        clock = plots.own_clock(self.records)
-        return clock[-1] if clock else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
-
-    def stats(self, other: "Side | None" = None) -> str:
-        head = f"#### {self.name}\n"
-        if not self.records:
-            return head + "*prefill…*"
-        steps = len(self.records)
-        line = f"**{self.tokens_per_s:.1f} tokens/s** · **{len(self.ids) / steps:.2f} tokens/step**"
-        if other is not None and other.tokens_per_s > 0:
-            line += f" · **{self.tokens_per_s / other.tokens_per_s:.2f}×** baseline"
-        detail = (f"{len(self.ids)} tokens in {steps} steps, {self.seconds:.2f} s "
-                  f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.records[-1].stop_reason}" if self.done else ""))
-        return f"{head}{line}  \n<small>{detail}</small>"
-
-
-def badge(ent: Side, base: Side, temperature: float) -> str:
-    if not (ent.done and base.done):
-        return "<span class='badge running'>racing…</span>"
-    if temperature > 0:
-        return ("<span class='badge info'>sampling (T > 0): each side draws its own sample; both are exact samples "
-                "of the model, so texts may differ</span>")
-    if ent.ids == base.ids:
-        return f"<span class='badge same'>✓ identical output: {len(ent.ids)} token ids equal</span>"
-    k = next((i for i, (a, b) in enumerate(zip(ent.ids, base.ids)) if a != b), min(len(ent.ids), len(base.ids)))
-    return f"<span class='badge diff'>✗ outputs differ from token {k}</span>"
-
-
-def tree_view(rt: Runtime, bank: TopologyBank, rec: StepRecord | None) -> dict | None:
-    """What the tree chart needs of one step, kept in gr.State (picklable, no model objects)."""
-    if rec is None:
-        return None
-    labels = [t.replace(" ", "␣").replace("\n", "↵")[:10] or "∅" for t in rt.tokenizer.batch_decode([[t] for t in rec.draft_tokens])]
-    return {"tree": bank[rec.tree_index], "accepted": rec.accepted_nodes, "labels": labels, "step": rec.step, "s": rec.s}
 
 
 def tree_plot(view: dict | None):
     if view is None:
         return plots.empty_figure("The tree verified at the current step", "The tree of the latest step, with its accepted path, appears here.", 300)
     t = view["tree"]
-    title = f"Step {view['step']}: tree {t.name} ({t.n_nodes} nodes, picked at s = {view['s']:.2f}), {len(view['accepted'])} accepted"
+    title = f"Step {view['step']}: tree {t.name} ({t.n_nodes} nodes, picked at feature {view['s']:.2f}), {len(view['accepted'])} accepted"
     return plots.tree_figure(t, view["accepted"], view["labels"], title=title)
 
 
 # -- the race ------------------------------------------------------------------------------------
 
 
-def validate(prompt, task, policy, baseline, max_new_tokens, temperature) -> tuple[str, int, float]:
-    """Clean inputs or a gr.Error that names the bad value (the API receives raw values too)."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise gr.Error("The prompt is empty: type a question or pick an example.", title="Empty prompt")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise gr.Error(f"The prompt has {len(prompt):,} characters; the demo accepts up to {MAX_PROMPT_CHARS:,}.", title="Prompt too long")
-    if task not in TASKS:
-        raise gr.Error(f"Unknown task {task!r}: choose one of {', '.join(TASKS)}.")
-    if policy not in POLICIES:
-        raise gr.Error(f"Unknown policy {policy!r}: choose one of {', '.join(POLICIES)}.")
-    if baseline not in BASELINES:
-        raise gr.Error(f"Unknown baseline {baseline!r}: choose one of {', '.join(BASELINES)}.")
-    try:
-        n, t = float(max_new_tokens), float(temperature)
-    except (TypeError, ValueError):
-        raise gr.Error(f"max_new_tokens and temperature must be numbers, got {max_new_tokens!r} and {temperature!r}.") from None
-    if not (MAX_NEW_TOKENS[0] <= n <= MAX_NEW_TOKENS[1]) or n != int(n):
-        raise gr.Error(f"max_new_tokens must be a whole number from {MAX_NEW_TOKENS[0]} to {MAX_NEW_TOKENS[1]}, got {max_new_tokens}.", title="Out of range")
-    if not (TEMPERATURE[0] <= t <= TEMPERATURE[1]):
-        raise gr.Error(f"temperature must be between {TEMPERATURE[0]} and {TEMPERATURE[1]}, got {temperature}.", title="Out of range")
-    return prompt.strip(), int(n), t
+def _progress(progress: gr.Progress):
+    return lambda it, desc, total: progress.tqdm(it, desc=f"fitting the bank to this machine: {desc}", total=total)
 
 
-def strategies(rt: Runtime, model: str, task: str, policy: str, baseline: str,
-               tau: tuple[float, float] | None) -> tuple[Strategy, Strategy, TopologyBank]:
-    bank, _ = bank_for(model, task)
-    pol = bank.policy(policy)
-    if tau is not None:
-        fitted = bank.policies.get("tau")
-        if not isinstance(fitted, TauPolicy):
-            raise gr.Error("This bank has no τ policy whose trees the custom thresholds could use.")
-        if tau[1] > tau[0]:
-            raise gr.Error(f"τ_off ({tau[1]}) must not exceed τ_on ({tau[0]}).", title="Out of range")
-        pol = TauPolicy(fitted.small, fitted.large, tau[0], tau[1])
-    with _LOAD_LOCK:  # heads load lazily inside the runtime
-        ent = Strategy(f"entmtp-{policy}", bank, pol, rt.heads("hydra"))
-        base = rt.strategy(baseline, task)
-        if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
-            # the first forward of each new shape builds kernels: keep that off both clocks
-            rt.engine.warmup([t.n_nodes for t in (*bank.trees, *base.bank.trees)])
-    return ent, base, bank
-
-
-def make_race(cfg: AppConfig):
+def make_race(cfg: AppConfig, models: Models):
     def race(prompt, task, policy, baseline, max_new_tokens, temperature,
-             model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5):
-        prompt, n_new, temp = validate(prompt, task, policy, baseline, max_new_tokens, temperature)
-        model = (model or "").strip() or cfg.model
+             model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5, progress=gr.Progress()):
         try:
-            rt = get_runtime(cfg, model)
-            ids = rt.encode(prompt)
-            if len(ids) > MAX_PROMPT_TOKENS or len(ids) + n_new > rt.engine.max_positions:
-                raise gr.Error(
-                    f"The prompt has {len(ids)} tokens; the demo takes up to {MAX_PROMPT_TOKENS} "
-                    f"and prompt + max_new_tokens must fit the model's {rt.engine.max_positions}.",
-                    title="Prompt too long",
-                )
-            ent_s, base_s, bank = strategies(rt, model, task, policy, baseline,
-                                             (float(tau_on), float(tau_off)) if custom_tau else None)
-            gen = GenerationConfig(max_new_tokens=n_new, temperature=temp, seed=int(seed or 0))
-            ent = Side(POLICIES[policy].split(" (")[0], rt.engine.generate(ids, ent_s, gen))
-            base = Side(BASELINES[baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen))
+            req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
+            rt = models.get(model)
+            if needs_fit(rt, req.task):
+                yield (gr.skip(),) * 6 + ("<span class='badge running'>fitting the bank to this machine… "
+                                          "(timing each tree once; later races start at once)</span>",) + (gr.skip(),) * 7
+            bank = bank_for(rt, req.task, _progress(progress))
+            ent, base, pol = start(rt, req, bank)
+        except RaceError as e:
+            raise gr.Error(str(e), title=e.title) from None
         except (LoadError, GenerationError, ValueError) as e:
             raise gr.Error(str(e), title="Cannot run this race") from None
-        tau = (ent_s.policy.tau_on, ent_s.policy.tau_off) if isinstance(ent_s.policy, TauPolicy) else None
+        tau = (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) and pol.small != pol.large else None
         last_chart = 0.0
         while not (ent.done and base.done):
             # one step of each side per iteration: both stream at once, each timed on its own clock
@@ -281,10 +122,10 @@ def make_race(cfg: AppConfig):
             sides = {ent.name: ent.records, base.name: base.records}
             yield (
                 ent.text, base.text, ent.spans, base.spans, ent.stats(base), base.stats(),
-                badge(ent, base, temp),
+                badge(ent, base, req.temperature),
                 plots.race_figure(sides) if charts else gr.skip(),
                 plots.accepted_figure(sides) if charts else gr.skip(),
-                plots.features_figure(ent.records, tau) if charts else gr.skip(),
+                plots.features_figure(ent.records, tau, pol.feature) if charts else gr.skip(),
                 plots.usage_figure(ent.records) if charts else gr.skip(),
                 tree_plot(view) if charts else gr.skip(),
                 gr.update(maximum=max(2, len(ent.records)), value=len(ent.records), interactive=finished) if finished else gr.skip(),
@@ -303,21 +144,39 @@ def show_step(views, step):
     return tree_plot(views[max(1, min(int(step), len(views))) - 1])
 
 
-def bank_tab(cfg: AppConfig):
-    def show(task, model):
-        model = (model or "").strip() or cfg.model
-        try:
-            bank, note = bank_for(model, task)
-        except LoadError as e:
-            return f"❌ {e}", f"❌ {e}", plots.front_figure(fallback_bank()), [], gr.skip(), gr.skip()
-        baseline = {"name": BASELINE_TREE, "n_nodes": 63}
-        rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
-                 ", ".join(k for k, p in bank.policies.items() if i in _policy_trees(p))]
-                for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
-        on, off = tau_defaults(bank)
-        return note, note, plots.front_figure(bank, baseline), rows, on, off
+def bank_view(models: Models, task: str, model: str | None, refit: bool = False, progress=None):
+    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column.
 
-    return show
+    Never times anything unless `refit`: a bank not yet fitted here shows its shipped fit, labelled so.
+    """
+    try:
+        name = models.check(model)
+        rt = models.loaded(name)
+        if rt is None or (not refit and has_bank(rt, task) and rt.needs_calibration(task)):
+            bank = fallback_bank() if rt is None and not _bank_file(name, task) else resolve_bank(name, task)
+            hw = bank.fit.get("hardware", "?")
+            note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
+                    f"{bank.fit.get('date', '')}). The first race on this task fits it to this machine (or press Refit).")
+            if bank.meta.get("fallback"):
+                note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
+        else:
+            if refit and has_bank(rt, task):
+                rt.banks([task], progress, mode="refit")
+            bank = bank_for(rt, task)
+            note = bank_note(rt, task, bank)
+    except (RaceError, LoadError) as e:
+        return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
+    rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
+             "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in _policy_trees(p))]
+            for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
+    on, off = tau_defaults(bank)
+    return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
+
+
+def _bank_file(model: str, task: str) -> bool:
+    from entmtp.loading import bank_path
+
+    return bank_path(model, task).exists()
 
 
 def _policy_trees(pol) -> set[int]:
@@ -342,18 +201,25 @@ we can *guess* several future tokens cheaply and let the model **verify all gues
 3. **Accept.** Walk from the root: keep a drafted token only if it is exactly what the model itself
    would have produced there (at temperature 0 the argmax; when sampling, an exact rejection rule).
    The accepted path (orange) is emitted; the rest is thrown away. **The output is exactly the
-   model's own output**, only faster: the *identical output* badge checks this token by token.
+   model's own output**, only faster. The *identical output* badge checks, token by token, that
+   EntMTP and the baseline emitted the same tokens; the project's test suite checks every method
+   against transformers' own `generate`.
 
 ### Why EntMTP
 A big tree (Hydra's 63 nodes) accepts more tokens per step but every step costs more, and on a
-CPU verification cost grows quickly with tree size. **EntMTP keeps a bank of trees** that were
-measured on this hardware (the *Bank* tab: only trees on the throughput Pareto front are kept)
-and picks one **every step** from a cheap confidence signal **s** (the model's top-1 probability):
+CPU verification cost grows quickly with tree size. **EntMTP keeps a bank of trees**, and which
+of them pay depends on the machine: the bank file carries, for calibration prompts, how many
+drafted tokens each tree *would* have accepted at every position (a fact about the model and its
+heads), and the first race on a machine times one step with each tree there and fits the
+policies to those costs (the *Bank* tab says which machine its numbers come from). EntMTP then
+picks a tree **every step** from a cheap confidence signal: the model's top-1 probability *s*,
+the heads' path value *g_D*, or exp(−entropy), whichever predicted best for the task:
 
 - **EntMTP\\***: always the task's single best tree.
 - **EntMTP-ladder**: thresholds on *s*; more confident → bigger tree.
-- **EntMTPτ**: two trees with hysteresis: switch to the big tree when *s* > τ_on, back to the small
-  one when *s* ≤ τ_off.
+- **EntMTPτ**: two trees with hysteresis: switch to the big tree when the signal > τ_on, back to
+  the small one when it is ≤ τ_off. Where the fit finds that no switching pays, the Bank tab says
+  so and τ runs one tree.
 
 ### Reading the charts
 - **Race**: tokens vs seconds. Both sides run interleaved, one step each in turn, and each side's
@@ -365,7 +231,7 @@ and picks one **every step** from a cheap confidence signal **s** (the model's t
   ↵ = newline); the orange path was accepted. After a race, the slider replays any step.
 - **Tree usage**: how many steps each tree was used and how many tokens it produced.
 
-Every number is measured live on the machine serving this page; no token is made up.
+Every race number is measured live on the machine serving this page; no token is made up.
 """
 
 CSS = """
@@ -379,14 +245,16 @@ CSS = """
 """
 
 
-def build_demo(cfg: AppConfig = AppConfig()) -> gr.Blocks:
+def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None) -> gr.Blocks:
+    models = models or cfg.registry()
     with gr.Blocks(title="EntMTP: entropy-guided speculative decoding") as demo:
         gr.Markdown(
             "# EntMTP: pick the draft tree every step\n"
             "Speculative decoding that stays **exactly** the model's output. EntMTP (left) chooses a "
-            "draft tree per step from a bank measured on this hardware; the baseline (right) always "
+            "draft tree per step from a bank fitted to the machine it runs on; the baseline (right) always "
             f"verifies one tree. Model: `{cfg.model}`. Highlighted tokens came from accepted drafts."
         )
+        weights_note = gr.Markdown("<small>weights: loading…</small>")
         views = gr.State(None)
         with gr.Tab("Race"):
             with gr.Row(equal_height=False):
@@ -403,11 +271,11 @@ def build_demo(cfg: AppConfig = AppConfig()) -> gr.Blocks:
                     with gr.Row():
                         max_new = gr.Slider(*MAX_NEW_TOKENS, value=96, step=1, label="Max new tokens")
                         temperature = gr.Slider(*TEMPERATURE, value=0.0, step=0.05, label="Temperature")
-                    bank_note = gr.Markdown()
+                    bank_note_md = gr.Markdown()
                     with gr.Accordion("Advanced", open=False):
-                        model = gr.Textbox(value=cfg.model, label="Model (the default runs offline; a hub id downloads it)")
+                        model = gr.Textbox(value=cfg.model, label=f"Model (allowed here: {', '.join(models.allowed)})")
                         seed = gr.Number(value=0, precision=0, label="Seed (sampling)")
-                        custom_tau = gr.Checkbox(value=False, label="Override the bank's τ thresholds (EntMTPτ)")
+                        custom_tau = gr.Checkbox(value=False, label="Use my own τ_on / τ_off (EntMTPτ only)")
                         with gr.Row():
                             tau_on = gr.Slider(0, 1, value=0.8, step=0.01, label="τ_on (switch to the big tree above)")
                             tau_off = gr.Slider(0, 1, value=0.5, step=0.01, label="τ_off (back to the small tree at or below)")
@@ -439,31 +307,59 @@ def build_demo(cfg: AppConfig = AppConfig()) -> gr.Blocks:
                     ent_text = gr.Textbox(label="EntMTP text", lines=6)
                     base_text = gr.Textbox(label="Baseline text", lines=6)
         with gr.Tab("Bank"):
-            gr.Markdown("The trees EntMTP chooses from for the task selected on the Race tab, with what "
-                        "was measured when the bank was built. Filled markers: trees used by a policy.")
+            gr.Markdown("The trees EntMTP chooses from for the task selected on the Race tab. Acceptance comes "
+                        "from the bank's traces (machine-independent); step times were measured on the machine "
+                        "named below, and tokens/s is what they predict. Filled markers: trees used by a policy.")
             bank_info = gr.Markdown()
+            refit = gr.Button("Refit on this machine", size="sm")
             front = gr.Plot(show_label=False)
-            table = gr.Dataframe(headers=["tree", "nodes", "depth", "mean accepted", "step ms", "tokens/s", "policies"],
-                                 interactive=False, label="Trees")
+            table = gr.Dataframe(headers=["tree", "nodes", "depth", "mean accepted", "step ms", "predicted tokens/s",
+                                          "front", "policies"], interactive=False, label="Trees")
         with gr.Tab("How it works"):
             gr.Markdown(HOW_IT_WORKS)
 
         outputs = [ent_text, base_text, ent_hl, base_hl, ent_stats, base_stats, out_badge,
                    race_plot, acc_plot, feat_plot, usage_plot, tree_out, step, views]
-        event = run.click(
-            make_race(cfg), [prompt, task, policy, baseline, max_new, temperature, model, seed, custom_tau, tau_on, tau_off],
-            outputs, api_name="race", concurrency_limit=cfg.concurrency, concurrency_id="race",
-        )
+        race_inputs = [prompt, task, policy, baseline, max_new, temperature, model, seed, custom_tau, tau_on, tau_off]
+        event = run.click(make_race(cfg, models), race_inputs, outputs, api_name="race",
+                          concurrency_limit=cfg.concurrency, concurrency_id="race")
         stop.click(None, None, None, cancels=[event])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 
-        show_bank = bank_tab(cfg)
-        for trigger in (task.change, model.blur, demo.load):
-            trigger(show_bank, [task, model], [bank_info, bank_note, front, table, tau_on, tau_off], api_visibility="private")
+        def show(task, model):
+            note, fig, rows, on, off = bank_view(models, task, model)
+            return note, note, fig, rows, on, off
+
+        def do_refit(task, model, progress=gr.Progress()):
+            note, fig, rows, on, off = bank_view(models, task, model, refit=True, progress=_progress(progress))
+            return note, note, fig, rows, on, off
+
+        bank_outputs = [bank_info, bank_note_md, front, table, tau_on, tau_off]
+        for trigger in (task.change, model.blur, demo.load, event.then):
+            trigger(show, [task, model], bank_outputs, api_visibility="private")
+        refit.click(do_refit, [task, model], bank_outputs, api_visibility="private", concurrency_id="race")
+
+        def tau_controls(policy):  # the τ override exists for the τ policy only
+            on = policy == "tau"
+            return gr.update(interactive=on, value=False if not on else gr.skip())
+
+        policy.change(tau_controls, policy, custom_tau, api_visibility="private")
+
+        def weights(model):
+            rt = models.loaded(model)
+            return f"<small>weights: {rt.weights}</small>" if rt else "<small>weights: loaded with the first race</small>"
+
+        for trigger in (demo.load, event.then):
+            trigger(weights, model, weights_note, api_visibility="private")
     return demo
 
 
-demo = build_demo(AppConfig.from_env())
+CONFIG = AppConfig.from_env()
+MODELS = CONFIG.registry()
+if spaces is not None:  # ZeroGPU: load model and heads at start-up, outside the GPU-decorated race
+    _rt = MODELS.get(None)
+    _rt.heads("hydra"), _rt.heads("medusa")
+demo = build_demo(CONFIG, MODELS)
 
 
 def launch(app: gr.Blocks = demo, **kwargs):
@@ -472,4 +368,7 @@ def launch(app: gr.Blocks = demo, **kwargs):
 
 
 if __name__ == "__main__":
+    print(f"loading {CONFIG.model}…", flush=True)
+    _rt = MODELS.get(None)  # load before serving, so the first race does not wait for it
+    print(f"weights: {_rt.weights}", flush=True)
     launch()

@@ -184,11 +184,13 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
     vocab = engine.model.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab // 8, vocab, (cfg.context,), generator=g).tolist()
     unique = list({tree_key(t): t for t in trees}.values())
+    room = max(t.n_nodes + (t.max_depth + 1) * cfg.steps for t in unique)
+    context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab // 8, vocab, (context,), generator=g).tolist()
     strategies = [Strategy(t.name, TopologyBank.of(t), StaticPolicy(0), heads if t.max_depth else None) for t in unique]
-    timer.warmup([t.n_nodes for t in unique], context=cfg.context)
+    timer.warmup([t.n_nodes for t in unique], context=context)
     step_ms: dict[str, list[float]] = {tree_key(t): [] for t in unique}
     prefill: list[float] = []
     rounds = range(cfg.rounds + 1)
@@ -204,7 +206,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
                 step_ms[tree_key(t)] += [rec.step_ms for rec in records]
                 prefill.append(records[0].prefill_ms)
     costs = {k: statistics.median(v) for k, v in step_ms.items()}
-    return costs, statistics.median(prefill) / cfg.context
+    return costs, statistics.median(prefill) / context
 
 
 # -- fitting the policies by exact simulation -------------------------------------------------
@@ -373,6 +375,13 @@ def calibrate(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank],
     return out
 
 
+def known_fit(bank: TopologyBank, fp: dict[str, Any], cache_root: Path, mode: str = "auto") -> dict[str, Any] | None:
+    """The fit `resolve_fits` would use without timing anything, or None when it must calibrate."""
+    if mode == "shipped" or mode == "auto" and bank.shipped_fit.get("fingerprint") == fp:
+        return bank.shipped_fit
+    return load_fit(fit_cache_file(cache_root, bank, fp)) if mode == "auto" else None
+
+
 def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any], cache_root: Path,
                  mode: str = "auto", cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
                  progress: Progress | None = None) -> dict[str, TopologyBank]:
@@ -386,12 +395,9 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
         raise ValueError(f"unknown fit mode {mode!r} (expected auto, shipped or refit)")
     out, missing = {}, {}
     for task, bank in banks.items():
-        if mode == "shipped" or mode == "auto" and bank.shipped_fit.get("fingerprint") == fp:
-            out[task] = bank
-            continue
-        cached = load_fit(fit_cache_file(cache_root, bank, fp)) if mode == "auto" else None
+        fit = known_fit(bank, fp, cache_root, mode)
         try:
-            out[task] = bank.with_fit(cached) if cached else None
+            out[task] = bank.with_fit(fit) if fit else None
         except ValueError:  # a stale or damaged cache entry: measure again
             out[task] = None
         if out[task] is None:

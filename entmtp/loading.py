@@ -41,7 +41,7 @@ from .config import (
     PromptLookupConfig,
 )
 from .baselines import hf_generate
-from .calibrate import CalibrateConfig, fingerprint, resolve_fits
+from .calibrate import CalibrateConfig, fingerprint, known_fit, resolve_fits
 from .engine import Engine, StepRecord, Strategy
 from .heads import DraftHeads, HeadsError, load_heads
 from .policy import StaticPolicy
@@ -313,25 +313,36 @@ class Runtime:
     def bank(self, task: str) -> TopologyBank:
         return self.banks([task])[task]
 
-    def banks(self, tasks: list[str]) -> dict[str, TopologyBank]:
-        """The tasks' banks under the fit `fit_mode` asks for; tasks that need calibrating are timed together."""
-        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks) if t not in self._banks}
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+
+    def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None) -> dict[str, TopologyBank]:
+        """The tasks' banks under the fit `mode` (default: `fit_mode`) asks for; tasks that need
+        calibrating are timed together. mode "refit" measures again and replaces the loaded fits."""
+        mode = mode or self.fit_mode
+        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks) if t not in self._banks or mode == "refit"}
         if need:
-            fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
             if not self._trees:
                 self._trees = load_named_trees(TREES_FILE)
             try:
                 self._banks.update(resolve_fits(
-                    self.engine, self.heads("hydra"), need, fp, self.cache_root or _cache_root(ModelConfig()),
-                    self.fit_mode, self.calibrate_config, self._trees[BASELINE_TREE], self.progress))
+                    self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or _cache_root(ModelConfig()),
+                    mode, self.calibrate_config, self._trees[BASELINE_TREE], progress or self.progress))
             except BankError as e:
                 raise LoadError(str(e)) from None
         return {t: self._banks[t] for t in tasks}
 
+    def needs_calibration(self, task: str) -> bool:
+        """True when the task's bank has no fit for this machine yet (using it will time its trees first)."""
+        if task in self._banks:
+            return False
+        bank = resolve_bank(self.name, task, self.banks_dir)
+        return known_fit(bank, self.fingerprint, self.cache_root or _cache_root(ModelConfig()), self.fit_mode) is None
+
     def fitted_here(self, task: str) -> bool:
         """Whether the task's bank is fitted to this machine (not the shipped fit of another one)."""
-        fp = fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
-        return self.bank(task).fit.get("fingerprint") == fp
+        return self.bank(task).fit.get("fingerprint") == self.fingerprint
 
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""

@@ -134,12 +134,16 @@ def accepted_figure(sides: dict[str, Sequence[StepRecord]], height: int = 320) -
     return _layout(fig, title, height, sub)
 
 
+FEATURE_NAMES = {"p0": "s = top-1 prob", "path_value": "path value g_D", "neg_entropy": "exp(-entropy)"}
+
+
 def features_figure(
-    records: Sequence[StepRecord], tau: tuple[float, float] | None = None, height: int = 360
+    records: Sequence[StepRecord], tau: tuple[float, float] | None = None, feature: str = "p0", height: int = 360
 ) -> go.Figure:
     """Per step: the confidence s and the entropy (top), and the tree the policy picked (bottom).
 
-    `tau` = (tau_on, tau_off) draws the hysteresis thresholds on the s axis.
+    `feature` names what the policy reads; `tau` = (tau_on, tau_off) draws its hysteresis
+    thresholds on that feature's axis (all features lie in [0, 1]).
     """
     title = "What the policy sees, and the tree it picks"
     sub = ("s = the model's top-1 probability (high → bigger tree); g_D = s × the heads' top-1 probabilities "
@@ -161,7 +165,8 @@ def features_figure(
     )
     fig.add_trace(
         go.Scatter(
-            x=steps, y=[r.path_value for r in records], mode="lines", name="path value g_D",
+            x=steps, y=[r.feature if feature == "path_value" else r.path_value for r in records], mode="lines",
+            name="path value g_D" + (" (through the bank's depth)" if feature == "path_value" else ""),
             line=dict(color=COLORS[2], width=1.4), hovertemplate="step %{x}: g_D = %{y:.3f}<extra></extra>",
         ),
         row=1, col=1,
@@ -174,8 +179,17 @@ def features_figure(
         ),
         row=1, col=1, secondary_y=True,
     )
+    if feature == "neg_entropy":
+        fig.add_trace(
+            go.Scatter(
+                x=steps, y=[r.feature for r in records], mode="lines", name="exp(-entropy): the policy's feature",
+                line=dict(color=COLORS[3], width=1.6), hovertemplate="step %{x}: exp(-H) = %{y:.3f}<extra></extra>",
+            ),
+            row=1, col=1,
+        )
     if tau is not None:
-        for val, label in ((tau[0], "τ_on"), (tau[1], "τ_off")):
+        on_what = FEATURE_NAMES.get(feature, feature).split(" = ")[0]
+        for val, label in ((tau[0], f"τ_on ({on_what})"), (tau[1], f"τ_off ({on_what})")):
             fig.add_hline(
                 y=val, row=1, col=1, line=dict(color=COLORS[0], dash="dash", width=1),
                 annotation_text=f"{label} {val:.2f}", annotation_position="top left",
@@ -305,7 +319,7 @@ def front_figure(bank: TopologyBank, baseline: dict | None = None, height: int =
     if not measured:
         return empty_figure(title, "This bank has no measurements (built-in fallback): build one with `python -m entmtp build-bank`.", height, sub)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
-                        subplot_titles=("mean accepted tokens per step", "measured tokens / s"))
+                        subplot_titles=("mean accepted tokens per step", "tokens / s (measured step × traced acceptance)"))
     widest = max([bank.trees[i].n_nodes for i in measured] + [baseline["n_nodes"] if baseline else 1])
     used: dict[int, list[str]] = {}
     for name, pol in bank.policies.items():

@@ -4,17 +4,23 @@ import json
 
 import pytest
 
-from entmtp.bank import BankError, TopologyBank, load_bank, parse_bank
+from entmtp.bank import BankError, TopologyBank, load_bank, parse_bank, policies_json
 from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import chain, compile_tree
+from entmtp.traces import Trace
 
 
 def valid_bank() -> dict:
     trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
+    stats = [{"mean_accepted": 1.0 + i, "step_ms": 50.0 + i, "tokens_per_s": 20.0 + i} for i in range(3)]
+    policies = {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4, "path_value")}
+    fit = {"hardware": "cpu test", "fingerprint": {"device": "cpu test"}, "date": "2026-11-30", "front": ["ar", "t3"],
+           "trees": {t.name: st for t, st in zip(trees, stats)}, "policies": policies_json(policies, trees)}
+    traces = [Trace(4, [[0, 1, -1, -1], [2, -1, -1, -1]], [0.5, 0.25], [1.0, 2.0], [[0.5, 0.5, 0.5, 0.5]] * 2)]
     bank = TopologyBank(
         trees,
-        [{"mean_accepted": 1.0 + i, "step_ms": 50.0 + i, "tokens_per_s": 20.0 + i} for i in range(3)],
-        {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4)},
+        stats,
+        policies,
         {
             "model": "tiny",
             "task": "chat",
@@ -27,6 +33,9 @@ def valid_bank() -> dict:
                 "hardware": "cpu",
             },
         },
+        traces,
+        fit,
+        fit,
     )
     return bank.to_json()
 
@@ -37,7 +46,24 @@ def test_round_trip(tmp_path):
     back = load_bank(path)
     assert back.to_json() == raw
     assert isinstance(back.policy("tau"), TauPolicy) and back.policy("tau").large == 2
+    assert back.policy("tau").feature == "path_value"
     assert [t.name for t in back.trees] == ["ar", "c2", "t3"]
+    assert back.traces[0].rank_path(0) == (0, 1) and back.front == [0, 2] and back.fit["hardware"] == "cpu test"
+
+
+def test_with_fit_swaps_figures_and_policies():
+    bank = parse_bank(valid_bank())
+    other = {**bank.fit, "hardware": "cpu other", "front": ["c2"],
+             "trees": {t.name: {"mean_accepted": 2.0, "step_ms": 9.0, "tokens_per_s": 99.0} for t in bank.trees},
+             "policies": {"static": {"tree": "c2"}, "ladder": {"trees": ["c2"], "thresholds": []},
+                          "tau": {"small": "c2", "large": "c2", "tau_on": 1.0, "tau_off": 1.0}}}
+    moved = bank.with_fit(other)
+    assert moved.policy("static").tree == 1 and moved.front == [1] and moved.stats[0]["tokens_per_s"] == 99.0
+    assert moved.shipped_fit is bank.shipped_fit and moved.to_json()["fit"]["hardware"] == "cpu test"
+    with pytest.raises(BankError, match="unknown tree id 'zz'"):
+        bank.with_fit({**other, "policies": {**other["policies"], "static": {"tree": "zz"}}})
+    with pytest.raises(BankError, match="trees: missing field 'c2'"):
+        bank.with_fit({**other, "trees": {"ar": other["trees"]["ar"]}})
 
 
 def _break(mutate):
@@ -61,6 +87,10 @@ def _break(mutate):
         (lambda r: r["policies"]["tau"].__setitem__("tau_off", 0.9), "tau_off"),
         (lambda r: r["policies"].pop("tau"), "missing field 'tau'"),
         (lambda r: r.__setitem__("trees", []), "trees: empty"),
+        (lambda r: r.pop("traces"), "missing field 'traces'"),
+        (lambda r: r["traces"][0].pop("ranks"), r"traces\[0\]"),
+        (lambda r: r.pop("fit"), "missing field 'fit'"),
+        (lambda r: r["policies"]["tau"].__setitem__("feature", "vibes"), "unknown feature 'vibes'"),
     ],
 )
 def test_bad_fields_are_named(mutate, field):

@@ -2,24 +2,33 @@
 
 import json
 
+import pytest
+
 from entmtp.__main__ import main
 from entmtp.bank import TopologyBank
 from entmtp.bench import BenchConfig, run_bench, table
+from entmtp.calibrate import fit_task
 from entmtp.config import METHODS, ModelConfig
 from entmtp.loading import load_runtime, model_slug
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import chain, compile_tree
+from entmtp.traces import Trace
 
 
 def write_bank(banks_dir, slug, task):
+    """A bank file with made-up traces and a fit from another (made-up) machine."""
     trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
-    bank = TopologyBank(
-        trees,
-        [{"mean_accepted": 1.0, "step_ms": 1.0, "tokens_per_s": 1.0}] * 3,
-        {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.2, 0.6)), "tau": TauPolicy(0, 2, 0.5, 0.3)},
-        {"provenance": {k: "test" for k in ("model", "heads_sha256", "calibration", "command", "date", "hardware")}},
-    )
-    return bank.save(banks_dir / slug / f"{task}.json")
+    traces = [Trace(5, [[0, 1, -1, -1] if i % 3 else [1, 0, -1, -1] for i in range(20)], [0.3 + 0.03 * i for i in range(20)],
+                    [1.0] * 20, [[0.5] * 4 for _ in range(20)])]
+    fit = {"hardware": "cpu elsewhere", "fingerprint": {"device": "cpu elsewhere"}, "date": "2026-11-30", "context": 8,
+           **fit_task(trees, traces, [1.0, 1.2, 1.5], 0.0)}
+    prov = {k: "test" for k in ("model", "heads_sha256", "calibration", "command", "date", "hardware")}
+    bank = TopologyBank(trees, [{}] * 3, {}, {"model": slug, "task": task, "provenance": prov}, traces, fit, fit)
+    return bank.with_fit(fit).save(banks_dir / slug / f"{task}.json")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "cache"))  # this machine's fits go to a fresh folder
 
 
 def test_run_bench_all_methods(tiny_dir, tmp_path):
@@ -30,7 +39,11 @@ def test_run_bench_all_methods(tiny_dir, tmp_path):
     out = run_bench(rt, items, list(METHODS), BenchConfig(max_new_tokens=10, warmup_new_tokens=2))
     res = out["results"]
     assert {(r["task"], r["method"]) for r in res} == {(t, m) for t in ("code", "chat") for m in METHODS}
-    assert all(r["lossless"] for r in res)
+    assert all(r["lossless"] for r in res)  # every method equals transformers `generate` ("hf")
+    assert all("same_as_ar" not in r for r in res)
+    pred = {(r["task"], r["method"]): r["predicted_tokens_per_s"] for r in res}
+    assert all(pred[(t, m)] > 0 for t in ("code", "chat") for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau", "ar"))
+    assert pred[("code", "hf")] is None and pred[("code", "medusa")] is None
     assert all(r["speedup_vs_ar"] == 1.0 for r in res if r["method"] == "ar")
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in res)
     # methods were interleaved: each prompt ran every method, starting from a rotating position
@@ -52,7 +65,19 @@ def test_bench_cli_ends_with_one_json_line(tiny_dir, tmp_path, capsys):
     summary = json.loads(out[-1])
     assert {r["method"] for r in summary["results"]} == {"ar", "hf", "entmtp-tau", "hydra"}
     for r in summary["results"]:
-        assert set(r) == {"task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless"}
+        assert set(r) == {"task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless", "predicted_tokens_per_s"}
         assert r["lossless"] is True
-    assert summary["hardware"]
+    # the shipped fit came from another machine: the bench fitted the bank here first and used that
+    assert summary["hardware"] and summary["fit"]["chat"] != "cpu elsewhere" and "cpu" in summary["fit"]["chat"]
+    pred = {r["method"]: r["predicted_tokens_per_s"] for r in summary["results"]}
+    assert pred["entmtp-tau"] > 0 and pred["hydra"] > 0 and pred["hf"] is None
     assert (tmp_path / "out" / "results.json").exists() and (tmp_path / "out" / "speedup.html").exists()
+
+
+def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):
+    """Losslessness means equal to transformers `generate`; a run without `hf` says only `same_as_ar`."""
+    rt = load_runtime(ModelConfig(model=str(tiny_dir)), str(tiny_dir / "heads"), None, tmp_path / "banks")
+    write_bank(rt.banks_dir, rt.slug, "chat")
+    out = run_bench(rt, [{"prompt": "hello", "task": "chat"}], ["ar", "hydra", "entmtp-static"], BenchConfig(max_new_tokens=8, warmup_new_tokens=2))
+    assert all("lossless" not in r and r["same_as_ar"] is True for r in out["results"])
+    assert "same_as_ar" in table(out["results"]).splitlines()[0]

@@ -50,18 +50,22 @@ def head_paths(tmp_path_factory) -> dict[str, str | None]:
     return paths
 
 
+SLOW_MODEL = "slow/model"  # allowed, and its load takes long: other races must not wait for it
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(app module, app config, client) for one launched demo that serves two races at once."""
+    """(app module, models, client) for one launched demo that serves two races at once."""
     torch.set_num_threads(ALL_THREADS)
     app = import_app()
     paths = head_paths(tmp_path_factory)
-    cfg = app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"], concurrency=2)
-    demo = app.build_demo(cfg)
+    cfg = app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"], concurrency=2, models=(SLOW_MODEL,))
+    models = cfg.registry()
+    demo = app.build_demo(cfg, models)
     port = free_port()
     app.launch(demo, prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
     try:
-        yield app, cfg, Client(f"http://127.0.0.1:{port}/", verbose=False)
+        yield app, models, Client(f"http://127.0.0.1:{port}/", verbose=False)
     finally:
         demo.close()
         torch.set_num_threads(1)
@@ -70,8 +74,8 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ar_text(served):
     """`ar`'s greedy text for PROMPT, decoded straight from the engine."""
-    app, cfg, _ = served
-    rt = app.get_runtime(cfg, cfg.model)
+    _, models, _ = served
+    rt = models.get(None)
     res = collect(rt.run("ar", "code", rt.encode(PROMPT), GenerationConfig(max_new_tokens=N_NEW)))
     return rt.decode(res.token_ids)
 
@@ -84,9 +88,11 @@ def test_race_streams_and_matches_ar(served, ar_text):
     assert len(job.outputs()) > 1, "the race should stream step by step"
     assert ent_text and base_text
     assert ent_text == base_text == ar_text
-    assert "identical output" in out[6]
-    # the streamed panes grow: an early update holds a prefix of the final text
-    assert len(job.outputs()[0][0]) <= len(ent_text)
+    assert "identical output" in out[6] and "Plain decoding" in out[6]
+    # the streamed panes grow: every update holds a prefix of the final text, and some are partial
+    streamed = [o[0] for o in job.outputs() if isinstance(o[0], str)]
+    assert all(ent_text.startswith(t) for t in streamed)
+    assert any(len(t) < len(ent_text) for t in streamed)
 
 
 def test_two_races_at_once(served, ar_text):
@@ -95,6 +101,11 @@ def test_two_races_at_once(served, ar_text):
         client.submit(PROMPT, "code", "ladder", "medusa", N_NEW, 0.0, api_name="/race"),
         client.submit(PROMPT, "math", "static", "ar", N_NEW, 0.0, api_name="/race"),
     ]
+    # they really overlap: both have streamed before either has finished
+    deadline = time.monotonic() + 600
+    while not all(len(j.outputs()) >= 1 for j in jobs):
+        assert time.monotonic() < deadline and not any(j.done() for j in jobs), "the races did not run at the same time"
+        time.sleep(0.05)
     for job in jobs:
         ent_text, base_text = job.result(timeout=600)[:2]
         assert ent_text == base_text == ar_text
@@ -151,6 +162,48 @@ def test_custom_tau_is_checked(served):
     _, _, client = served
     with pytest.raises(AppError, match="τ_off"):
         client.predict(PROMPT, "code", "tau", "ar", N_NEW, 0.0, None, 0, True, 0.3, 0.6, api_name="/race")
+    with pytest.raises(AppError, match="EntMTPτ policy only"):
+        client.predict(PROMPT, "code", "ladder", "ar", N_NEW, 0.0, None, 0, True, 0.8, 0.5, api_name="/race")
+
+
+@pytest.mark.parametrize("task", ["math", "chat"])
+def test_custom_tau_races_on_every_task(served, task):
+    """The τ override runs the τ policy with the user's thresholds, and the pane says so."""
+    _, _, client = served
+    out = client.predict(PROMPT, task, "tau", "ar", 16, 0.0, None, 0, True, 0.6, 0.3, api_name="/race")
+    assert out[0] == out[1] and "identical output" in out[6]
+    assert "your τ 0.60/0.30" in out[4]
+
+
+def test_disallowed_model_is_refused_without_loading(served):
+    _, models, client = served
+    with pytest.raises(AppError, match="not offered here"):
+        client.predict(PROMPT, "code", "tau", "ar", N_NEW, 0.0, "someone/huge-model", api_name="/race")
+    assert models.loaded("someone/huge-model") is None
+
+
+def test_a_slow_model_load_blocks_no_other_race(served, ar_text, monkeypatch):
+    """While one user's model loads (a long hub download, say), a race on a loaded model goes on."""
+    import entmtp.race as race
+
+    started, release = __import__("threading").Event(), __import__("threading").Event()
+
+    def slow_load(cfg, *a, **k):
+        started.set()
+        release.wait(120)
+        raise race.LoadError("the test's slow model never finishes loading")
+
+    monkeypatch.setattr(race, "load_runtime", slow_load)
+    _, _, client = served
+    slow = client.submit(PROMPT, "code", "static", "ar", N_NEW, 0.0, SLOW_MODEL, api_name="/race")
+    assert started.wait(120), "the slow load never started"
+    try:
+        out = client.predict(PROMPT, "code", "static", "ar", N_NEW, 0.0, api_name="/race")
+        assert out[0] == ar_text and not slow.done()
+    finally:
+        release.set()
+    with pytest.raises(AppError, match="never finishes loading"):
+        slow.result(timeout=120)
 
 
 def test_still_serves_after_errors(served, ar_text):
@@ -160,8 +213,25 @@ def test_still_serves_after_errors(served, ar_text):
 
 
 def test_fallback_bank_is_flagged(served, monkeypatch, tmp_path):
-    app, _, _ = served
-    monkeypatch.setattr(app, "bank_path", lambda model, task: tmp_path / f"{task}.json")
-    bank, note = app.bank_for(DEFAULT_MODEL, "code")
-    assert bank.meta.get("fallback") and "fallback" in note
+    import entmtp.race as race
+
+    _, models, _ = served
+    rt = models.get(None)
+    monkeypatch.setattr(race, "has_bank", lambda rt, task: False)
+    bank = race.bank_for(rt, "code")
+    assert bank.meta.get("fallback") and "fallback" in race.bank_note(rt, "code", bank)
     assert set(bank.policies) == {"static", "ladder", "tau"}
+
+
+def test_bank_view_says_where_its_numbers_come_from(served):
+    app, models, _ = served
+    rt = models.get(None)
+    for task in ("code", "math", "chat"):
+        note, fig, rows, on, off = app.bank_view(models, task, None)
+        bank = rt.bank(task)
+        assert bank.fit["hardware"] in note
+        assert ("this machine" in note) == rt.fitted_here(task)
+        assert 0 <= off <= on <= 1  # never out of the sliders' range, even for a degenerate τ fit
+        assert len(rows) == len(bank.trees) and sum(r[6] == "yes" for r in rows) == len(bank.front)
+        names = [t.name for t in fig.data]
+        assert "mc_sim_7b_63" in names  # the measured baseline, not a stub line

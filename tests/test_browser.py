@@ -1,4 +1,6 @@
-"""The app in Debian's Chromium: a race fills both panes and draws the charts; saves a screenshot."""
+"""The app in Debian's Chromium, driven through the page as a user would: every task, every policy,
+every baseline and the custom τ override each run a race that ends with the badge and no error
+toast; one screenshot per task is saved under assets/."""
 
 from __future__ import annotations
 
@@ -15,14 +17,24 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOT = os.path.join(os.path.dirname(__file__), "..", "assets", "screenshot.png")
-PROMPT = "Write a Python function `is_palindrome(s)` that ignores case and spaces."
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "assets")
+PROMPTS = {
+    "code": "Write a Python function `is_palindrome(s)` that ignores case and spaces.",
+    "math": "Tom has 3 times as many apples as Ann. Together they have 48 apples. How many does Tom have?",
+    "chat": "Give me three tips for staying focused while working from home.",
+}
+# (task, policy label, baseline label, custom τ): each task, policy and baseline at least once
+RACES = [
+    ("code", "EntMTPτ (two trees, hysteresis)", "Hydra (63-node default tree)", False),
+    ("math", "EntMTP-ladder (thresholds)", "Medusa (63-node default tree)", False),
+    ("chat", "EntMTP* (one static tree)", "Plain decoding (AR)", False),
+    ("math", "EntMTPτ (two trees, hysteresis)", "Plain decoding (AR)", True),
+]
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    if not shutil.which(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (`make browser` installs it)")
+    assert shutil.which(CHROMIUM), "Debian's chromium is not installed (`make browser` installs it)"
     torch.set_num_threads(ALL_THREADS)
     app = import_app()
     paths = head_paths(tmp_path_factory)
@@ -36,31 +48,73 @@ def url(tmp_path_factory):
         torch.set_num_threads(1)
 
 
-def test_race_in_the_browser(url):
-    from playwright.sync_api import expect, sync_playwright
+@pytest.fixture(scope="module")
+def page(url):
+    from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url, wait_until="domcontentloaded")  # never "networkidle": Gradio keeps a stream open
-            page.get_by_label("Prompt").fill(PROMPT)
-            budget = page.locator("input[aria-label='number input for Max new tokens']")
-            budget.fill("32")
-            budget.press("Enter")
-            page.get_by_role("button", name="Run the race").click()
-
-            expect(page.locator(".badge.same")).to_be_visible(timeout=420_000)
-            panes = page.locator(".pane")
-            expect(panes).to_have_count(2)
-            texts = [panes.nth(i).inner_text() for i in range(2)]
-            # highlighted tokens are separate spans: inner_text may break a word between them
-            assert all("palindrome" in "".join(t.split()) for t in texts), texts
-            # every chart is drawn by plotly, with the race's traces in it
-            expect(page.locator(".js-plotly-plot .main-svg").first).to_be_visible()
-            assert page.locator(".js-plotly-plot").count() >= 5
-            expect(page.locator(".js-plotly-plot", has_text="tok/s").first).to_be_visible()
-            page.wait_for_timeout(500)  # let the last figures settle before the picture
-            page.screenshot(path=SCREENSHOT, full_page=True)
+            pg = browser.new_page(viewport={"width": 1280, "height": 900})
+            pg.goto(url, wait_until="domcontentloaded")  # never "networkidle": Gradio keeps a stream open
+            yield pg
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize("task, policy, baseline, custom_tau", RACES)
+def test_race_in_the_browser(page, task, policy, baseline, custom_tau):
+    from playwright.sync_api import expect
+
+    page.get_by_label("Prompt").fill(PROMPTS[task])
+    page.get_by_role("radio", name=task, exact=True).check()
+    page.get_by_role("radio", name=policy, exact=True).check()
+    page.get_by_role("radio", name=baseline, exact=True).check()
+    budget = page.locator("input[aria-label='number input for Max new tokens']")
+    budget.fill("32")
+    budget.press("Enter")
+    page.wait_for_timeout(700)  # the task change refills the bank note and the τ sliders
+    box = page.get_by_label("Use my own τ_on / τ_off (EntMTPτ only)")
+    if custom_tau:
+        if not box.is_visible():
+            page.get_by_text("Advanced", exact=True).click()
+        expect(box).to_be_enabled()
+        box.check()
+        for name, value in (("τ_on", "0.6"), ("τ_off", "0.3")):
+            field = page.locator(f"input[aria-label^='number input for {name}']")
+            field.fill(value)
+            field.press("Enter")
+    elif box.is_visible() and box.is_checked():
+        box.uncheck()
+    page.get_by_role("button", name="Run the race").click()
+
+    expect(page.locator(".badge.running", has_text="racing")).to_be_visible(timeout=420_000)
+    expect(page.locator(".badge.same")).to_be_visible(timeout=420_000)
+    assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
+    badge = page.locator(".badge.same").inner_text()
+    assert baseline.split(" (")[0] in badge and "token ids" in badge
+    panes = page.locator(".pane")
+    expect(panes).to_have_count(2)
+    texts = ["".join(panes.nth(i).inner_text().split()) for i in range(2)]  # spans may break words
+    assert texts[0] and texts[0] == texts[1]
+    stats = page.locator(".stats").first.inner_text()
+    assert ("your τ 0.60/0.30" in stats) == custom_tau
+    assert policy.split(" (")[0] in stats
+    # every chart is drawn by plotly, with the race's traces in it
+    expect(page.locator(".js-plotly-plot .main-svg").first).to_be_visible()
+    assert page.locator(".js-plotly-plot").count() >= 5
+    expect(page.locator(".js-plotly-plot", has_text="tok/s").first).to_be_visible()
+    if not custom_tau:
+        page.wait_for_timeout(500)  # let the last figures settle before the picture
+        page.screenshot(path=os.path.join(ASSETS, f"screenshot-{task}.png"), full_page=True)
+
+
+def test_bank_tab_says_where_it_was_measured(page):
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Bank").click()
+    info = page.locator("text=/measured on|fitted to/").first
+    expect(info).to_be_visible(timeout=60_000)
+    expect(page.get_by_role("button", name="Refit on this machine")).to_be_visible()
+    expect(page.locator(".js-plotly-plot", has_text="mc_sim_7b_63").first).to_be_visible()
+    page.get_by_role("tab", name="Race").click()

@@ -193,7 +193,6 @@ def task_counts(text: str) -> tuple:
 def cmd_generate(args: argparse.Namespace) -> None:
     from .data import read_prompt_file
     from .engine import collect
-    from .loading import load_runtime
 
     if args.typical and args.temperature == 0:
         raise UsageError("--typical needs --temperature > 0")
@@ -292,7 +291,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 def cmd_eval_heads(args: argparse.Namespace) -> None:
     from .data import eval_prompt_file
     from .engine import collect
-    from .loading import eos_ids, load_runtime
+    from .loading import eos_ids
     from .train import build_corpus, head_accuracy
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -454,7 +453,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from .bench import BenchConfig, run_bench, table
     from .calibrate import hardware
     from .data import eval_prompt_file, read_prompt_file
-    from .loading import load_runtime
 
     cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
     if args.prompts:

@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, TopologyError, compile_tree
@@ -104,10 +104,27 @@ class TopologyBank:
         return out
 
     def save(self, path: str | Path) -> Path:
+        """Indented JSON, except that each trace is one line (they hold thousands of numbers)."""
+        raw = self.to_json()
+        traces = raw.pop("traces", [])
+        text = json.dumps({**raw, "traces": ["@"] * len(traces)}, indent=1)
+        for t in traces:
+            text = text.replace('"@"', json.dumps(t, separators=(",", ":")), 1)
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        p.write_text(text + "\n")
         return p
+
+
+def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated (smaller or equal x and larger y), sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
 
 
 def _need(obj: dict, key: str, where: str, types: type | tuple) -> Any:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from .config import GenerationConfig
+from .config import GenerationConfig, Progress
 from .engine import PHASES, collect
 
-Progress = Callable[[Iterable, str, int], Iterable]
 
 
 @dataclass(frozen=True)

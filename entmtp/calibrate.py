@@ -19,12 +19,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
-from .bank import TopologyBank, parse_policies, policies_json
-from .config import GenerationConfig
+from .bank import TopologyBank, pareto, policies_json
+from .config import GenerationConfig, Progress
 from .engine import Engine, Strategy
 from .heads import DraftHeads
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
@@ -32,7 +32,6 @@ from .topology import Tree, compile_tree
 from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
-Progress = Callable[[Iterable, str, int], Iterable]
 
 
 @dataclass(frozen=True)
@@ -118,17 +117,6 @@ def candidates(paths: list[RankPath], cfg: BankBuildConfig) -> list[Tree]:
     for c in front:
         trees.append(compile_tree(c["paths"], f"n{len(c['paths']) + 1}-d{c['depth']}"))
     return trees
-
-
-def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points not dominated (smaller or equal x and larger y), sorted by x."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
-    front, best = [], float("-inf")
-    for i in order:
-        if points[i][1] > best:
-            front.append(i)
-            best = points[i][1]
-    return front
 
 
 # -- the machine: fingerprint and step costs ---------------------------------------------------

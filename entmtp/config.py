@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
+
+# progress(iterable, description, total) -> iterable: a tqdm bar in the CLI, gr.Progress in the app
+Progress = Callable[[Iterable, str, int], Iterable]
 
 ROOT = Path(__file__).resolve().parent.parent
 

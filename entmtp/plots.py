@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .bank import TopologyBank
-from .calibrate import pareto
+from .bank import pareto
 from .engine import StepRecord
 from .topology import Tree
 

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import verify
+from .config import Progress
 from .heads import DraftHeads
 from .policy import FEATURES
 from .topology import Tree
 
 WIDTH = 16  # ranks kept per head; no tree of ours has a node of rank >= 16
-Progress = Callable[[Iterable, str, int], Iterable]
 
 
 @dataclass

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import data
@@ -37,7 +36,6 @@ from .config import TrainConfig
 from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
 
 Encode = Callable[[str], list[int]]
-SOURCES = ("self", "ref")
 
 
 class TrainError(ValueError):

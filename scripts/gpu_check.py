@@ -10,12 +10,15 @@ is built with random weights. Needs only torch, transformers and safetensors (no
    methods for every task, and every bank tree). References come from stock transformers; the
    engine then runs with the kernels `load_model` installs. A differing token whose reference
    logit gap is within float noise is reported as a tie, not a failure.
-2. Costs: the median wall time of one decode step per tree (the shipped banks' trees,
-   mc_sim_7b_63 and AR), warm, synchronised around each step, at ~300 tokens of context.
-3. Prediction: tokens/s = a tree's mean accepted length (bank file) / its step cost here.
+2. Costs: the median wall time of one decode step per tree (the banks' candidate trees,
+   mc_sim_7b_63 and AR), warm, synchronised around each step, at ~300 tokens of context;
+   prefill per token from the first step's extra time.
+3. Prediction: with those costs, the fit `calibrate` would make here (`calibrate.fit_task`: front,
+   static / ladder / τ policies, and tokens/s of ar, hydra and each EntMTP policy by exact
+   simulation of the banks' per-position acceptance traces).
 
 Progress goes to stderr; stdout gets ONE JSON line. Exit code 1 when an output differed.
-`--device cpu --quick` runs small sizes (2 layers) in seconds, for testing without a GPU.
+`--device cpu --quick` runs small sizes (1 layer) in seconds, for testing without a GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from entmtp import kernels, kv, verify  # noqa: E402
 from entmtp.bank import TopologyBank  # noqa: E402
+from entmtp.calibrate import fit_task  # noqa: E402
 from entmtp.config import BASELINE_TREE, DEFAULT_MODEL, TASKS, TREES_FILE, GenerationConfig  # noqa: E402
 from entmtp.engine import Engine, Strategy, collect  # noqa: E402
 from entmtp.heads import HydraHeads, MedusaHeads  # noqa: E402
@@ -192,12 +196,17 @@ def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes) -
 # -- step costs -----------------------------------------------------------------------------------
 
 
-def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes) -> float:
-    """Median wall time of one decode step (each `next` of the engine's generator is one step)."""
+def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes) -> tuple[float, float]:
+    """(median ms of one decode step, ms of prefill + the first step): each `next` of the engine's
+    generator is one step, timed with the device synchronised on both sides."""
     device = engine.device
     gen = GenerationConfig(max_new_tokens=6 * (sizes.warm_steps + sizes.timed_steps + 2))
     steps = engine.generate(prompt, strategy, gen)
+    sync(device)
+    t0 = time.perf_counter()
     next(steps)  # prefill and the first step
+    sync(device)
+    first = time.perf_counter() - t0
     times = []
     for i in range(sizes.warm_steps + sizes.timed_steps):
         sync(device)
@@ -207,7 +216,15 @@ def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes)
         sync(device)
         if i >= sizes.warm_steps:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, first * 1e3
+
+
+def predict(bank: TopologyBank, step_costs: list[float], prefill_ms_per_token: float, baseline: tuple[Tree, float]) -> dict:
+    """The fit `calibrate` would make on this machine at these step costs: front, policies and
+    tokens/s of every method by exact simulation of the bank's acceptance traces."""
+    fit = fit_task(bank.trees, bank.traces, step_costs, prefill_ms_per_token, baseline=baseline)
+    return {"tokens_per_s": fit["predicted_tokens_per_s"], "policies": fit["policies"], "front": fit["front"],
+            "degenerate": fit["degenerate"], "trees": {k: v["tokens_per_s"] for k, v in fit["trees"].items()}}
 
 
 def distinct_trees(banks: dict[str, TopologyBank], baseline: Tree) -> tuple[list[Tree], dict[tuple[str, str], str]]:
@@ -252,7 +269,6 @@ def run(device: torch.device, quick: bool) -> dict:
     baseline = load_named_trees(TREES_FILE)[BASELINE_TREE]
     banks = {task: resolve_bank(DEFAULT_MODEL, task) for task in TASKS}
     trees, alias = distinct_trees(banks, baseline)
-    timed = trees if not quick else [trees[0], trees[1], trees[-1]]
 
     log(f"lossless on {device}: tiny models")
     preflight(device)
@@ -276,32 +292,22 @@ def run(device: torch.device, quick: bool) -> dict:
     cases, failures, ties = cases + c, failures + f, ties + t
 
     log(f"step costs at {sizes.context} tokens of context")
-    rt.engine.warmup(sorted({t.n_nodes for t in timed}), context=sizes.context)
+    rt.engine.warmup(sorted({t.n_nodes for t in trees}), context=sizes.context)
     g = torch.Generator().manual_seed(11)
     context = torch.randint(1, model.config.vocab_size, (sizes.context,), generator=g).tolist()
-    costs = {}
-    for s in tree_strategies(timed, rt.heads("hydra"), "hydra"):
+    costs, prefills = {}, []
+    for s in tree_strategies(trees, rt.heads("hydra"), "hydra"):
         name = s.bank[0].name
-        costs[name] = round(step_ms(rt.engine, s, context, sizes), 3)
+        step, first = step_ms(rt.engine, s, context, sizes)
+        costs[name] = round(step, 3)
+        prefills.append((first - step) / sizes.context)
         log(f"  {name:>14} {s.bank[0].n_nodes:3d} nodes {costs[name]:9.3f} ms")
+    prefill_ms_per_token = max(0.0, statistics.median(prefills))
 
-    predicted = {}
-    for task, bank in banks.items():
-        per_tree = {}
-        for t, st in zip(bank.trees, bank.stats):
-            ms = costs.get(alias[(task, t.name)])
-            per_tree[t.name] = round(st["mean_accepted"] / ms * 1e3, 2) if ms else None
-        static = bank.trees[bank.policy("static").tree].name
-        known = {k: v for k, v in per_tree.items() if v is not None}
-        best = max(known, key=known.get) if known else None
-        base = bank.meta.get("baseline") or {}
-        predicted[task] = {
-            "static": {"tree": static, "tokens_per_s": per_tree[static]},
-            "best": {"tree": best, "tokens_per_s": known.get(best)},
-            "hydra_tokens_per_s": round(base["mean_accepted"] / costs[BASELINE_TREE] * 1e3, 2) if "mean_accepted" in base else None,
-            "ar_tokens_per_s": round(1e3 / costs["ar"], 2),
-            "trees": per_tree,
-        }
+    log("predicted throughput from the banks")
+    predicted = {task: predict(bank, [costs[alias[(task, t.name)]] for t in bank.trees], prefill_ms_per_token,
+                               (baseline, costs[BASELINE_TREE]))
+                 for task, bank in banks.items()}
 
     return {
         "ok": not failures,
@@ -309,9 +315,9 @@ def run(device: torch.device, quick: bool) -> dict:
         "lossless": {"cases": cases, "failures": failures[:20], "n_failures": len(failures), "ties": ties[:20], "n_ties": len(ties)},
         "context_tokens": sizes.context,
         "step_ms": costs,
-        "nodes": {t.name: t.n_nodes for t in timed},
-        "predicted_tokens_per_s": predicted,
-        "basis": "tokens/s = tree mean_accepted (bank file) / step_ms here",
+        "prefill_ms_per_token": round(prefill_ms_per_token, 4),
+        "nodes": {t.name: t.n_nodes for t in trees},
+        "predicted": predicted,
     }
 
 

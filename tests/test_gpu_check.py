@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh: its CPU run (small sizes) prints one JSON line with a clean lossless
-check and step costs; its architecture file is the default model's."""
+check, step costs and the throughput the banks' traces predict; its architecture file is the
+default model's."""
 
 import json
 import subprocess
@@ -20,11 +21,12 @@ def test_quick_cpu_run_prints_one_json_line():
     assert out.returncode == 0 and len(lines) == 1, (out.stdout[-2000:], out.stderr[-4000:])
     result = json.loads(lines[0])
     assert result["ok"] and result["quick"] and result["device"].startswith("cpu")
-    assert result["lossless"]["cases"] > 50 and result["lossless"]["n_failures"] == 0
+    assert result["lossless"]["cases"] > 30 and result["lossless"]["n_failures"] == 0
     assert {"ar", "mc_sim_7b_63"} <= set(result["step_ms"]) and all(v > 0 for v in result["step_ms"].values())
+    methods = {"ar", "hydra", "entmtp-static", "entmtp-ladder", "entmtp-tau"}
     for task in TASKS:
-        pred = result["predicted_tokens_per_s"][task]
-        assert pred["ar_tokens_per_s"] > 0 and pred["hydra_tokens_per_s"] > 0, pred
+        tps = result["predicted"][task]["tokens_per_s"]
+        assert set(tps) == methods and all(v > 0 for v in tps.values()), tps
 
 
 def test_architecture_file_is_the_default_models(monkeypatch):

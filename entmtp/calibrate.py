@@ -29,6 +29,7 @@ from .engine import Engine, Strategy
 from .heads import DraftHeads
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, compile_tree
+from . import drafting
 from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
@@ -49,9 +50,10 @@ class BankBuildConfig:
 class CalibrateConfig:
     """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
 
-    context: int = 320  # tokens of context a step is timed at (prompt plus part of an answer)
-    rounds: int = 3  # timed rounds, interleaved over the trees so drift hits all alike
+    context: int = 192  # tokens of context a step is timed at (a prompt plus part of its answer)
+    rounds: int = 2  # timed rounds, interleaved over the trees so drift hits all alike
     steps: int = 6  # decode steps timed per round
+    warm_steps: int = 2  # steps of the untimed first round (builds kernels, touches the weights)
     grid: int = 12  # feature quantiles tried as thresholds
 
 
@@ -167,8 +169,8 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
 
     Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
-    prompt, rounds interleaved over the trees after one untimed round. EOS is ignored so every
-    run takes its steps; the token values do not change the cost.
+    prompt, rounds interleaved over the trees after one short untimed round. EOS is ignored so
+    every run takes its steps; the token values do not change the cost.
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
     vocab = engine.model.get_output_embeddings().weight.shape[0]
@@ -178,23 +180,45 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab // 8, vocab, (context,), generator=g).tolist()
     strategies = [Strategy(t.name, TopologyBank.of(t), StaticPolicy(0), heads if t.max_depth else None) for t in unique]
-    timer.warmup([t.n_nodes for t in unique], context=context)
     step_ms: dict[str, list[float]] = {tree_key(t): [] for t in unique}
     prefill: list[float] = []
     rounds = range(cfg.rounds + 1)
     for r in (progress(rounds, "timing trees", len(rounds)) if progress else rounds):
+        n = cfg.steps if r else cfg.warm_steps
         for t, st in zip(unique, strategies):
-            gen = GenerationConfig(max_new_tokens=cfg.steps * (t.max_depth + 1))
+            gen = GenerationConfig(max_new_tokens=n * (t.max_depth + 1))
             records = []
-            for rec in timer.generate(ids, st, gen):
+            steps = timer.generate(ids, st, gen)
+            for rec in steps:
                 records.append(rec)
-                if len(records) == cfg.steps:
+                if len(records) == n:
                     break
+            steps.close()
             if r:  # round 0 warms caches and allocators
                 step_ms[tree_key(t)] += [rec.step_ms for rec in records]
                 prefill.append(records[0].prefill_ms)
     costs = {k: statistics.median(v) for k, v in step_ms.items()}
     return costs, statistics.median(prefill) / context
+
+
+@torch.inference_mode()
+def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15) -> list[float]:
+    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs)."""
+    if heads is None or depth == 0:
+        return [0.0] * (depth + 1)
+    w = heads._base["lm_head"].weight
+    feature = torch.randn(heads.hidden_size, dtype=w.dtype, device=w.device)
+    out = [0.0]
+    for d in range(1, depth + 1):
+        times = []
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            drafting.top1_chain(heads, feature, 1, d)
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times[2:]))
+    return out
 
 
 # -- fitting the policies by exact simulation -------------------------------------------------
@@ -214,12 +238,14 @@ def _quantiles(values: list[float], n: int) -> list[float]:
 
 
 def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefill_ms_per_token: float,
-             grid: int = 12, baseline: tuple[Tree, float] | None = None) -> dict[str, Any]:
+             grid: int = 12, baseline: tuple[Tree, float] | None = None, chain_ms: list[float] | None = None) -> dict[str, Any]:
     """Front, static, ladder and τ for one task from its traces and the measured step costs.
 
     Every candidate is scored by simulating the decode of every trace; the ladder runs over the
     front, τ over pairs of front trees, each on every feature; the feature with the best
     predicted throughput is kept. `baseline` (Hydra's tree and its step cost) is scored too.
+    `chain_ms[d]` is the cost of the heads' top-1 chain to depth d: a policy on the path value
+    runs it through the bank's depth every step, so a shallower tree then costs the difference.
     """
     all_trees = trees + ([baseline[0]] if baseline else [])
     costs = step_ms + ([baseline[1]] if baseline else [])
@@ -227,8 +253,14 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     depth = max(t.max_depth for t in trees)
     feats = {f: [t.feature(f, depth) for t in traces] for f in FEATURES}
 
+    extra = [0.0] * len(all_trees)
+    if chain_ms:
+        extra = [max(0.0, chain_ms[min(depth, len(chain_ms) - 1)] - chain_ms[min(t.max_depth, len(chain_ms) - 1)]) for t in all_trees]
+    deep = [c + e for c, e in zip(costs, extra)]
+
     def run(policy: Policy):
-        return simulate(tables, policy.chooser, feats[policy.feature], costs, prefill_ms_per_token)
+        cost = deep if policy.feature == "path_value" and not isinstance(policy, StaticPolicy) else costs
+        return simulate(tables, policy.chooser, feats[policy.feature], cost, prefill_ms_per_token)
 
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
     per_tree = {t.name: {"mean_accepted": round(o.mean_accepted, 4), "step_ms": round(step_ms[i], 3),
@@ -273,6 +305,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         "predicted_tokens_per_s": {k: v for k, v in predicted.items() if v is not None},
         "predicted_mean_accepted": {f"entmtp-{k}": round(o.mean_accepted, 4) for k, o in outcomes.items()},
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
+        "chain_ms": [round(c, 3) for c in (chain_ms or [])],
     }
     if baseline:
         b = run(StaticPolicy(len(trees)))
@@ -345,12 +378,13 @@ def calibrate(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank],
     t0 = time.perf_counter()
     trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
     costs, prefill = measure_costs(engine, heads, trees, cfg, progress)
+    chain = measure_chain(heads, max(t.max_depth for t in trees))
     measured_s = time.perf_counter() - t0
     out = {}
     for task, bank in banks.items():
         t1 = time.perf_counter()
         fit = fit_task(bank.trees, bank.traces, [costs[tree_key(t)] for t in bank.trees], prefill, cfg.grid,
-                       (baseline, costs[tree_key(baseline)]) if baseline else None)
+                       (baseline, costs[tree_key(baseline)]) if baseline else None, chain)
         fit_s = time.perf_counter() - t1
         out[task] = {
             "hardware": describe(fp),

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import kernels
+from . import kernels, kv
 
 FORMAT = "entmtp-heads"
 FORMAT_VERSION = 1
@@ -215,7 +215,7 @@ class PrefixContext(HeadContext):
     def observe(self, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
         pos = torch.arange(self.pos, self.pos + n, device=hidden.device)[None]
-        out = self.layer(inputs_embeds=hidden[None], cache=self.cache, position_ids=pos, use_cache=True)
+        out = self.layer(inputs_embeds=hidden[None], position_ids=pos, use_cache=True, **kv.cache_arg(self.layer, self.cache))
         self.pos += n
         return out[0][0, -1]
 

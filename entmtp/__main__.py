@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--prompts-per-task", type=positive_int, default=bc.prompts_per_task)
     be.add_argument("--max-new-tokens", type=positive_int, default=bc.max_new_tokens)
     be.add_argument("--out", default=None, help="folder for results.json (per prompt) and the figure")
+    be.add_argument("--note", default=None, help="a remark stored with the results and shown by `report`")
     add_model_args(be)
 
     rp = sub.add_parser("report", help="render BENCHMARKS.md from committed bench results files")
@@ -491,6 +492,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "command": "python -m entmtp " + " ".join(args.argv),
         "date": __import__("datetime").date.today().isoformat(),
         "torch": __import__("torch").__version__,
+        **({"note": args.note} if args.note else {}),
     }
     if args.out:
         from .plots import bench_figure, save_png

@@ -104,6 +104,8 @@ def _header(run: dict, n: int) -> list[str]:
     ]
     if run.get("source"):
         lines.append(f"- Results file: `{run['source']}`.")
+    if run.get("note"):
+        lines.append(f"- Note recorded with the run: {run['note']}")
     return lines
 
 

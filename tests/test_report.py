@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from entmtp.__main__ import main
+from test_cli import cli
 from entmtp.bench import aggregate
 from entmtp.engine import PHASES
 from entmtp.report import ReportError, render
@@ -157,13 +157,6 @@ def test_bench_rows_hold_what_the_page_shows(methods, epyc):
     assert "| code | entmtp-tau | 32.00 | 30.00 | 1.07 | 1.60 |" in text
 
 
-def cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_writes_the_page(tmp_path, capsys, epyc, xeon):

@@ -1,4 +1,4 @@
-"""Command line: `python -m entmtp {generate,bench,calibrate,build-bank,train-heads,eval-heads}`.
+"""Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads}`.
 
 Argument parsing lives here only. A bad argument or file prints one `entmtp: error: ...` line
 and exits with code 2, never a traceback.

@@ -41,6 +41,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def non_negative_float(text: str) -> float:
     try:
         v = float(text)
@@ -115,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts per task answered by the base model (default: %(default)s)")
     tr.add_argument("--ref-prompts", type=task_counts, default=t.ref_prompts, metavar="TASK=N,...",
                     help="prompts per task whose reference answer is read teacher-forced (default: %(default)s)")
+    tr.add_argument("--sharegpt-code", type=non_negative_int, default=t.sharegpt_code_prompts, metavar="N",
+                    help="Python questions from chat's training split answered by the base model, as code (default: %(default)s)")
+    tr.add_argument("--gen-batch", type=positive_int, default=t.gen_batch, help="prompts answered together (default: %(default)s)")
     tr.add_argument("--seed", type=int, default=t.seed)
     tr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path")
     tr.add_argument("--device", default=ModelConfig().device)
@@ -268,7 +281,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch,
     )
     kinds = _kinds(args.kind)
     out = {k: Path(args.out) / k if args.out else default_heads_dir(args.model, k) for k in kinds}

@@ -75,6 +75,7 @@ class TrainConfig:
     # ("self") and prompts whose reference answer is read teacher-forced ("ref")
     self_prompts: tuple = (("code", 75), ("math", 128), ("chat", 288))
     ref_prompts: tuple = (("code", 75), ("math", 2500), ("chat", 1600))
+    sharegpt_code_prompts: int = 0  # chat-split (train) questions naming Python, answered by the base model, as code
     heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
     answer_tokens: int = 160  # longest answer kept (generated or reference)
     max_prompt_tokens: int = 384  # longer prompts are skipped

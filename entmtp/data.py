@@ -19,6 +19,9 @@ and comes back in the same order on every call:
   chats into segments `<base>_<k>`, and all segments of one chat go to the same split, by
   `int(sha256(base).hexdigest()[:8], 16) % 10`: 0 -> `eval`, 1 -> `calib`, 2-9 -> `train`.
   Reference = the first assistant (gpt) reply, when it directly follows.
+- code, extra training prompts: the chat prompts of a split that mention Python
+  (`sharegpt_code_pairs`). They stay in chat's split, so an evaluation or calibration
+  conversation never trains the code heads either.
 
 Prompt files are JSONL, one `{"prompt": str, "task": "code"|"math"|"chat"}` per line, `task`
 optional.
@@ -48,6 +51,7 @@ CODE_CALIB_EVERY = 4  # every 4th train problem calibrates
 CHAT_MAX_CHARS = 2000
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_CODE = re.compile(r"\bpython\b", re.IGNORECASE)  # chat prompts that ask for Python code
 CODE_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 _SKIP = re.compile(r"[\s,]*")  # between array elements: whitespace and the separating commas
@@ -212,6 +216,12 @@ def _chat_rows() -> tuple[tuple[str, str, str], ...]:
 
 def _chat_split(split: str) -> list[tuple[str, str]]:
     return [(p, r) for s, p, r in _chat_rows() if s == split]
+
+
+def sharegpt_code_pairs(split: str) -> list[tuple[str, str]]:
+    """(prompt, first reply or "") of chat's `split` whose prompt mentions Python, in file order."""
+    _check("chat", split)
+    return [(p, r) for p, r in _chat_split(split) if SHAREGPT_CODE.search(p)]
 
 
 # --- public API ---------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Corpus. For a prompt (in the chat template) and an answer, keep only the base model's final
 normed hidden states and the answer's tokens: `hidden[j]` (H,) is the state that predicts
 `tokens[j]`, so `hidden[0]` sits on the prompt's last token. An answer is either the base model's
-own greedy continuation ("self": batched, left-padded; it is what the heads see at inference)
-or a reference answer read teacher-forced ("ref": cheaper per token, off-distribution paths).
+own greedy continuation ("self": batched, left-padded; it is what the heads see at inference;
+"sharegpt": the same for Python questions from chat's training split, more code for the code
+heads) or a reference answer read teacher-forced ("ref": cheaper per token, off-distribution paths).
 
 Targets. The base model's distribution for `tokens[j]` is `softmax(lm_head(hidden[j]))`, so no
 logits are stored. At an anchor t, head i reads `hidden[t]` (Hydra also E(tokens[t..t+i])) and
@@ -140,7 +141,11 @@ def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
     """(task, source, number of prompts) to build for `split` ("train", or "calib" held out)."""
     if split == "calib":
         return [(t, "self", cfg.heldout_prompts) for t in data.TASKS]
-    return [(t, "self", n) for t, n in cfg.self_prompts] + [(t, "ref", n) for t, n in cfg.ref_prompts]
+    extra = [("code", "sharegpt", cfg.sharegpt_code_prompts)] if cfg.sharegpt_code_prompts else []
+    return [(t, "self", n) for t, n in cfg.self_prompts] + extra + [(t, "ref", n) for t, n in cfg.ref_prompts]
+
+
+GENERATED = ("self", "sharegpt")  # sources answered greedily by the base model; "ref" is read teacher-forced
 
 
 SORT_BLOCK = 64  # prompts sorted by length together, so a larger --self-prompts count keeps earlier batches
@@ -158,7 +163,12 @@ def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prom
     """The first `n` (prompt, reference) of a split whose prompt fits `max_prompt` tokens."""
     if split == "eval":
         raise TrainError("training and held-out corpora never read the eval split")
-    rows = data.pairs(task, split) if source == "ref" else [(p, "") for p in data.prompts(task, split)]
+    if source == "sharegpt":  # Python questions from chat's split, answered by the base model
+        rows = [(p, "") for p, _ in data.sharegpt_code_pairs(split)]
+    elif source == "ref":
+        rows = data.pairs(task, split)
+    else:
+        rows = [(p, "") for p in data.prompts(task, split)]
     out = []
     for p, r in rows:
         if len(out) >= n:
@@ -190,9 +200,10 @@ def build_corpus(
     corpus = Corpus()
     for task, source, n in corpus_plan(cfg, split):
         rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
-        if source == "self":  # similar lengths in a batch: less padding
+        generated = source in GENERATED
+        if generated:  # similar lengths in a batch: less padding
             rows = _length_sorted_blocks(rows, encode)
-        size = cfg.gen_batch if source == "self" else cfg.ref_batch
+        size = cfg.gen_batch if generated else cfg.ref_batch
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
         bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)
         for k, batch in enumerate(bar):
@@ -202,7 +213,7 @@ def build_corpus(
             if shard.exists():
                 part = torch.load(shard, weights_only=True)
             else:
-                if source == "self":
+                if generated:
                     pairs = generate_batch(model, [encode(p) for p, _ in batch], cfg.answer_tokens, eos, pad)
                 else:
                     pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]

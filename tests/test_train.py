@@ -103,18 +103,23 @@ def test_resume_continues_identically(tiny, flat, tmp_path):
 @pytest.mark.parametrize("task", data.TASKS)
 def test_default_corpus_never_reads_evaluation_prompts(task):
     """The default plan's prompts (train corpus and held-out) are disjoint from the eval split by text."""
-    evaluation = set(data.prompts(task, "eval"))
-    train, calib = set(data.prompts(task, "train")), set(data.prompts(task, "calib"))
+    evaluation = {p for t in data.TASKS for p in data.prompts(t, "eval")}  # no task's evaluation prompt, by text
     approx = lambda s: [1] * (len(s) // 4)  # a token count near the real tokenizer's, for the length cap
-    cfg = TrainConfig()
-    for split, allowed in (("train", train), ("calib", calib)):
+    cfg = replace(TrainConfig(), sharegpt_code_prompts=300)  # every source, the extra one included
+    sources = set()
+    for split in ("train", "calib"):
         for t, source, n in corpus_plan(cfg, split):
             if t != task:
                 continue
+            sources.add(source)
+            # ShareGPT's Python questions come from chat's split of the same name
+            allowed = set(data.prompts("chat" if source == "sharegpt" else task, split))
             chosen = {p for p, _ in _select(t, split, source, n, approx, cfg.max_prompt_tokens)}
-            assert chosen and chosen <= allowed and not chosen & evaluation
-    with pytest.raises(TrainError):
-        _select(task, "eval", "self", 1, approx, cfg.max_prompt_tokens)
+            assert chosen and chosen <= allowed and not chosen & evaluation, (split, source)
+    assert sources == ({"self", "ref", "sharegpt"} if task == "code" else {"self", "ref"})
+    for source in sorted(sources):
+        with pytest.raises(TrainError):
+            _select(task, "eval", source, 1, approx, cfg.max_prompt_tokens)
 
 
 def test_built_corpus_holds_training_prompts_only(tiny, tmp_path):

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from . import kernels
 from .bench import BenchConfig
 from .calibrate import BankBuildConfig, CalibrateConfig
-from .config import BASELINE_TREE, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
+from .config import BASELINE_TREE, DEFAULT_MODEL, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2
 
@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts per task whose reference answer is read teacher-forced (default: %(default)s)")
     tr.add_argument("--sharegpt-code", type=non_negative_int, default=t.sharegpt_code_prompts, metavar="N",
                     help="Python questions from chat's training split answered by the base model, as code (default: %(default)s)")
+    tr.add_argument("--corpus-only", action="store_true", help="build the corpus (and store new answers), train nothing")
+    tr.add_argument("--answers", default=None, metavar="FILE",
+                    help="stored greedy answers, read and extended (default: data/answers/<model>.jsonl.gz for the "
+                         "default model, <work>/answers.jsonl.gz otherwise)")
     tr.add_argument("--gen-batch", type=positive_int, default=t.gen_batch, help="prompts answered together (default: %(default)s)")
     tr.add_argument("--seed", type=int, default=t.seed)
     tr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path")
@@ -272,7 +276,7 @@ def _kinds(kind: str) -> list[str]:
 
 def cmd_train_heads(args: argparse.Namespace) -> None:
     from .loading import default_heads_dir, eos_ids, load_runtime
-    from .train import train_and_save
+    from .train import ANSWERS_DIR, AnswerStore, train_and_save
 
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
@@ -292,12 +296,23 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         raise UsageError(f"{args.model} has no EOS token: cannot delimit answers")
     end = min(eos)
     command = "python -m entmtp " + " ".join(sys.argv[1:])
+    work = _work_dir(args)
+    if args.answers:
+        answers_file = Path(args.answers)
+    elif args.model == DEFAULT_MODEL:
+        answers_file = ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz"
+    else:
+        answers_file = work / "answers.jsonl.gz"
     results = train_and_save(
         rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
-        tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, _work_dir(args), args.resume,
+        tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, work, args.resume,
         {"command": command, "model": args.model},
         log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
+        answers=AnswerStore(answers_file, args.model), corpus_only=args.corpus_only,
     )
+    if args.corpus_only:
+        print(json.dumps({**results["corpus"], "answers": str(answers_file)}))
+        return
     for kind, prov in results.items():
         print(f"{kind}: saved to {out[kind]}; held-out (calib) per head:")
         for i, h in enumerate(prov["heldout"]["per_head"]):

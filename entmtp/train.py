@@ -19,6 +19,7 @@ trainer's state every `checkpoint_every` steps; a rerun resumes where it stopped
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -33,10 +34,11 @@ import torch
 from tqdm import tqdm
 
 from . import data, kv
-from .config import TrainConfig
+from .config import ROOT, TrainConfig
 from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
 
 Encode = Callable[[str], list[int]]
+ANSWERS_DIR = ROOT / "data" / "answers"  # the default model's stored greedy answers (AnswerStore)
 
 
 class TrainError(ValueError):
@@ -188,8 +190,13 @@ def build_corpus(
     work: Path,
     split: str = "train",
     progress: bool = True,
+    answers: AnswerStore | None = None,
 ) -> Corpus:
-    """Build (or resume) the corpus of `split` under `work/corpus/<split>/`, one shard per batch."""
+    """Build (or resume) the corpus of `split` under `work/corpus/<split>/`, one shard per batch.
+
+    Generated answers come from `answers` when it holds every prompt of a batch, and new ones are
+    added to it.
+    """
     folder = work / "corpus" / split
     folder.mkdir(parents=True, exist_ok=True)
     shape = {"answer_tokens": cfg.answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
@@ -214,7 +221,14 @@ def build_corpus(
                 part = torch.load(shard, weights_only=True)
             else:
                 if generated:
-                    pairs = generate_batch(model, [encode(p) for p, _ in batch], cfg.answer_tokens, eos, pad)
+                    ids = [encode(p) for p, _ in batch]
+                    known = [answers.get(i, cfg.answer_tokens) if answers is not None else None for i in ids]
+                    if all(a is not None for a in known):  # stored answers: read back teacher-forced
+                        pairs = [teacher_forced(model, i, a) for i, a in zip(ids, known)]
+                    else:
+                        pairs = generate_batch(model, ids, cfg.answer_tokens, eos, pad)
+                        if answers is not None:
+                            answers.add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
                 else:
                     pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
                 part = {"prompts": texts, "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
@@ -231,6 +245,50 @@ def build_corpus(
             )
             bar.set_postfix(tokens=corpus.n_tokens())
     return corpus
+
+
+class AnswerStore:
+    """The base model's greedy answers as token ids, by prompt, in one gzip JSONL file.
+
+    Generating answers is the dearest part of a corpus (an hour for ~1,500 answers on a 2-core
+    CPU); reading a stored answer back teacher-forced gives the same hidden states for a fraction
+    of that, so the answers are kept in the repository (`data/answers/<model>.jsonl.gz`) and a
+    corpus is rebuilt from them on any machine. A line is `{"key", "task", "source", "tokens"}`;
+    the key hashes the model's name, the prompt's token ids and the answer length cap. Each batch
+    appends one gzip member, so an interrupted run loses at most the batch in flight.
+    """
+
+    def __init__(self, path: Path | None, model: str):
+        self.path, self.model = path, model
+        self.answers: dict[str, list[int]] = {}
+        if path is not None and path.exists():
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                try:
+                    for line in f:
+                        if line.strip():
+                            row = json.loads(line)
+                            self.answers[row["key"]] = row["tokens"]
+                except (EOFError, json.JSONDecodeError):
+                    pass  # a member cut by an interruption: the answers before it stand
+
+    def key(self, prompt: list[int], answer_tokens: int) -> str:
+        text = f"{self.model}|{answer_tokens}|" + ",".join(map(str, prompt))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def get(self, prompt: list[int], answer_tokens: int) -> list[int] | None:
+        return self.answers.get(self.key(prompt, answer_tokens))
+
+    def add(self, task: str, source: str, prompts: list[list[int]], answers: list[list[int]], answer_tokens: int) -> None:
+        rows = []
+        for p, a in zip(prompts, answers):
+            k = self.key(p, answer_tokens)
+            if k not in self.answers:
+                self.answers[k] = a
+                rows.append(json.dumps({"key": k, "task": task, "source": source, "tokens": a}, separators=(",", ":")))
+        if rows and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(self.path, "at", encoding="utf-8") as f:
+                f.write("\n".join(rows) + "\n")
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -465,17 +523,22 @@ def train_and_save(
     provenance: dict[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[dict], None] | None = None,
+    answers: AnswerStore | None = None,
+    corpus_only: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Corpus -> draft vocabulary -> train each kind -> held-out accuracy -> save (bfloat16).
 
-    Returns per kind the provenance written to its heads.json.
+    Returns per kind the provenance written to its heads.json; with `corpus_only`, builds the
+    corpora (and stores new answers) and returns {"corpus": their description}.
     """
     torch.manual_seed(cfg.seed)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    heldout = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "calib", progress)
-    corpus = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "train", progress)
+    heldout = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "calib", progress, answers)
+    corpus = build_corpus(model, encode, encode_answer, eos, pad, cfg, work, "train", progress, answers)
     corpus_s = time.perf_counter() - t0
+    if corpus_only:
+        return {"corpus": {"train": corpus.describe(), "heldout_calib": heldout.describe(), "seconds": round(corpus_s, 1)}}
     lm = _lm_head(model)
     vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
     flat = Flat.of(corpus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from entmtp.policy import StaticPolicy
 from entmtp.topology import compile_tree, load_named_trees
 from entmtp.train import (
     Corpus,
+    AnswerStore,
     Flat,
     TrainError,
     _select,
@@ -199,3 +201,29 @@ def test_growing_the_corpus_reuses_its_shards(tiny, tmp_path, monkeypatch):
                          "train", progress=False)
     assert calls == [2, 2, 1]  # the first batch came from its shard
     assert grown.prompts[:2] == small.prompts and all(torch.equal(a, b) for a, b in zip(small.hidden, grown.hidden))
+
+
+def test_stored_answers_rebuild_the_corpus_without_generating(tiny, tmp_path, monkeypatch):
+    """A second machine (a new work folder) reads the stored answers back teacher-forced: same tokens,
+    the same hidden states up to float rounding, and generate is never called."""
+    from entmtp import train
+
+    cfg = replace(CFG, self_prompts=(("chat", 3),), ref_prompts=(), sharegpt_code_prompts=2, answer_tokens=6, gen_batch=2)
+    store_file = tmp_path / "answers.jsonl.gz"
+    first = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path / "a", "train", progress=False,
+                         answers=AnswerStore(store_file, "tiny"))
+    assert first.describe() == {"chat/self": {"answers": 3, "tokens": 18}, "code/sharegpt": {"answers": 2, "tokens": 12}}
+    store = AnswerStore(store_file, "tiny")
+    assert len(store.answers) == len({tuple(fake_encode(p)) for p in first.prompts})
+    monkeypatch.setattr(train, "generate_batch", lambda *a: pytest.fail("generated although every answer was stored"))
+    second = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path / "b", "train", progress=False, answers=store)
+    assert second.prompts == first.prompts
+    for a, b, ta, tb in zip(first.hidden, second.hidden, first.tokens, second.tokens):
+        assert torch.equal(ta, tb)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert AnswerStore(store_file, "another model").get(fake_encode(first.prompts[0]), 6) is None  # keyed by model
+    with gzip.open(store_file, "ab") as f:  # an interrupted append: a cut gzip member
+        f.write(b"")
+    with open(store_file, "ab") as f:
+        f.write(gzip.compress(b'{"key": "x", "tokens": [1, 2')[:-8])
+    assert AnswerStore(store_file, "tiny").answers == store.answers

@@ -370,6 +370,23 @@ def new_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
     raise TrainError(f"unknown heads kind {kind!r} (expected hydra or medusa)")
 
 
+def initial_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
+    """The heads in `cfg.init/<kind>` (our format), bound to `model` in its dtype, to train further."""
+    from .heads import HeadsError, load_heads
+
+    folder = Path(cfg.init) / kind
+    try:
+        heads = load_heads(folder, model.config)
+    except HeadsError as e:
+        raise TrainError(f"--init: {e}") from None
+    if heads.kind != kind or heads.num_heads != cfg.num_heads or heads.num_layers != cfg.num_layers:
+        raise TrainError(f"--init: {folder} holds {heads.kind} heads with {heads.num_heads} heads of {heads.num_layers} "
+                         f"layers; training asks for {cfg.num_heads} of {cfg.num_layers}")
+    if not heads.draft_vocab.numel():
+        raise TrainError(f"--init: {folder} has no draft vocabulary")
+    return heads.bind(model)
+
+
 def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool) -> tuple[torch.Tensor, list[float], list[float]]:
     """Summed loss of all heads at anchors t (B,), and per head its loss and top-1 agreement.
 
@@ -501,6 +518,17 @@ def _lm_head_of(heads: DraftHeads):
     return heads._base["lm_head"]
 
 
+def _sample(corpus: Corpus, n: int, seed: int) -> Corpus:
+    """`n` answers of `corpus` drawn with `seed`, among its generated ones ("self") when it has any."""
+    g = torch.Generator().manual_seed(seed)
+    keep = [i for i, src in enumerate(corpus.sources) if src == "self"] or list(range(len(corpus)))
+    chosen = sorted(keep[int(j)] for j in torch.randperm(len(keep), generator=g)[:n])
+    out = Corpus()
+    for i in chosen:
+        out.extend(Corpus([corpus.hidden[i]], [corpus.tokens[i]], [corpus.prompts[i]], [corpus.tasks[i]], [corpus.sources[i]]))
+    return out
+
+
 def vocab_coverage(vocab: torch.Tensor, corpus: Corpus) -> float:
     """Share of the corpus' answer tokens inside the draft vocabulary."""
     return round(float(torch.isin(torch.cat(corpus.tokens), vocab).float().mean()), 4)
@@ -540,17 +568,22 @@ def train_and_save(
     if corpus_only:
         return {"corpus": {"train": corpus.describe(), "heldout_calib": heldout.describe(), "seconds": round(corpus_s, 1)}}
     lm = _lm_head(model)
-    vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
     flat = Flat.of(corpus)
-    flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
     results = {}
     for kind in kinds:
         torch.manual_seed(cfg.seed)
-        heads = new_heads(kind, cfg, model).bind(model)
-        heads.set_draft_vocab(vocab)
+        if cfg.init:  # fine-tune shipped heads: their weights and draft vocabulary
+            heads = initial_heads(kind, cfg, model)
+            vocab = heads.draft_vocab.cpu()
+        else:
+            heads = new_heads(kind, cfg, model).bind(model)
+            vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
+            heads.set_draft_vocab(vocab)
+        flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
         stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log)
         heads.to(torch.bfloat16).bind(model)  # measure what ships: bf16 weights, cast back on bind()
         acc = head_accuracy(heads, heldout)
+        seen = head_accuracy(heads, _sample(corpus, len(heldout), cfg.seed))  # the same measure on training answers
         prov = {
             **(provenance or {}),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -561,8 +594,10 @@ def train_and_save(
             "draft_vocab": {"size": int(vocab.numel()), "coverage_train": vocab_coverage(vocab, corpus),
                             "coverage_heldout": vocab_coverage(vocab, heldout)},
             "train_config": asdict(cfg),
+            **({"init": {"from": str(cfg.init), "sha256": heads.provenance.get("sha256", "")}} if cfg.init else {}),
             "training": stats,
             "heldout": {"split": "calib (self-generated answers)", "per_head": acc},
+            "train_sample": {"answers": len(heldout), "per_head": seen},  # beside heldout: the generalisation gap
             "weights_dtype": "bfloat16",
             "torch_threads": torch.get_num_threads(),
         }

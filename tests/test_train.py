@@ -227,3 +227,24 @@ def test_stored_answers_rebuild_the_corpus_without_generating(tiny, tmp_path, mo
     with open(store_file, "ab") as f:
         f.write(gzip.compress(b'{"key": "x", "tokens": [1, 2')[:-8])
     assert AnswerStore(store_file, "tiny").answers == store.answers
+
+
+def test_training_further_starts_from_the_given_heads_and_keeps_their_vocabulary(tiny, tmp_path):
+    """`init` loads our saved heads (weights and draft vocabulary); zero steps change nothing but the
+    bfloat16 round trip, and a mismatched shape is refused in one line."""
+    cfg = replace(CFG, self_prompts=(("chat", 3),), ref_prompts=(), heldout_prompts=1, answer_tokens=12, gen_batch=3)
+    first = tmp_path / "first"
+    prov = train_and_save(tiny, fake_encode, fake_encode, set(), 0, cfg, ["hydra"], {"hydra": first / "hydra"}, tmp_path / "w1",
+                          progress=False)["hydra"]
+    assert len(prov["train_sample"]["per_head"]) == 4 and prov["train_sample"]["answers"] == 3  # beside "heldout"
+    again = replace(cfg, init=str(first), steps=1, lr=1e-12, draft_vocab=8)  # the vocabulary size asked is ignored
+    prov2 = train_and_save(tiny, fake_encode, fake_encode, set(), 0, again, ["hydra"], {"hydra": tmp_path / "second" / "hydra"},
+                           tmp_path / "w2", progress=False)["hydra"]
+    assert prov2["init"]["from"] == str(first) and prov2["init"]["sha256"] == load_heads(first / "hydra", tiny.config).provenance["sha256"]
+    a, b = load_file(str(first / "hydra" / "heads.safetensors")), load_file(str(tmp_path / "second" / "hydra" / "heads.safetensors"))
+    assert torch.equal(a["draft_vocab"], b["draft_vocab"]) and a["draft_vocab"].numel() == cfg.draft_vocab
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-2, atol=1e-3)
+    with pytest.raises(TrainError, match="--init: .* 2 layers"):
+        train_and_save(tiny, fake_encode, fake_encode, set(), 0, replace(again, num_layers=1), ["hydra"],
+                       {"hydra": tmp_path / "third" / "hydra"}, tmp_path / "w3", progress=False)

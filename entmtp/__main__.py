@@ -1,7 +1,8 @@
 """Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads}`.
 
-Argument parsing lives here only. A bad argument or file prints one `entmtp: error: ...` line
-and exits with code 2, never a traceback.
+Argument parsing and dispatch only: each command's work lives in its module (engine, bench,
+report, calibrate, train, evalheads). A bad argument or file prints one
+`entmtp: error: ...` line and exits with code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from . import kernels
-from .bench import BenchConfig
-from .calibrate import BankBuildConfig, CalibrateConfig
-from .config import BASELINE_TREE, DEFAULT_MODEL, METHODS, TASKS, GenerationConfig, ModelConfig, TrainConfig
+from .config import (DEFAULT_MODEL, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+                     ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
 
@@ -180,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="render BENCHMARKS.md from committed bench results files")
     rp.add_argument("files", nargs="*", help="bench results.json files (default: benchmarks/*.json, sorted)")
     rp.add_argument("--out", default=None, help="Markdown file written (default: BENCHMARKS.md at the repository root)")
+
     return parser
 
 
@@ -235,7 +235,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         res = collect(rt.run(args.method, it["task"], ids, gen))
         text = rt.decode(res.token_ids)
         if args.json:
-            print(json.dumps(generation_json(it, args.method, text, res), ensure_ascii=False), flush=True)
+            print(json.dumps(res.json(it["prompt"], args.method, it["task"], text), ensure_ascii=False), flush=True)
         else:
             print(text, flush=True)
             print(
@@ -243,24 +243,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 f"{res.tokens_per_s:.1f} tok/s, {res.mean_accepted:.2f} tokens/step",
                 file=sys.stderr,
             )
-
-
-def generation_json(item: dict, method: str, text: str, res) -> dict[str, Any]:
-    return {
-        "prompt": item["prompt"],
-        "method": method,
-        "task": item["task"],
-        "text": text,
-        "token_ids": res.token_ids,
-        "new_tokens": res.new_tokens,
-        "steps": len(res.steps),
-        "mean_accepted": round(res.mean_accepted, 4),
-        "tokens_per_s": round(res.tokens_per_s, 3),
-        "elapsed_s": round(res.elapsed_s, 4),
-        "phase_ms": {k: round(v, 2) for k, v in res.phase_ms().items()},
-        "stop_reason": res.steps[-1].stop_reason if res.steps else "",
-        "trace": [r.trace() for r in res.steps],
-    }
 
 
 def _work_dir(args: argparse.Namespace) -> Path:
@@ -322,44 +304,13 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
-    from .data import eval_prompt_file
-    from .engine import collect
-    from .loading import eos_ids
-    from .train import build_corpus, head_accuracy
+    from .evalheads import evaluate
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
-    rt = _runtime(args)
-    tok = rt.tokenizer
-    eos = set(eos_ids(rt.model, tok))
-    end = min(eos) if eos else 0
-    heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
-                           end, TrainConfig(), _work_dir(args), "calib")
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    report: dict[str, Any] = {"heldout": {}, "accepted": {}, "max_new_tokens": args.max_new_tokens}
-    for kind in _kinds(args.kind):
-        heads = rt.heads(kind)
-        acc = head_accuracy(heads, heldout)
-        report["heldout"][kind] = acc
-        print(f"{kind} heads ({heads.provenance.get('sha256', '?')}), held-out calib answers, per head:")
-        for i, h in enumerate(acc):
-            print(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']})")
-        report["accepted"][kind] = {}
-        for task in tasks:
-            tokens = steps = 0
-            per_prompt = []
-            for item in eval_prompt_file(task, args.prompts_per_task):
-                res = collect(rt.run(kind, task, rt.encode(item["prompt"]), gen))
-                tokens, steps = tokens + res.new_tokens, steps + len(res.steps)
-                per_prompt.append(res.mean_accepted)
-            row = {"prompts": len(per_prompt), "tokens": tokens, "steps": steps,
-                   "mean_accepted": round(tokens / max(1, steps), 4),
-                   "mean_accepted_per_prompt": round(sum(per_prompt) / max(1, len(per_prompt)), 4)}
-            report["accepted"][kind][task] = row
-            print(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step "
-                  f"({tokens} tokens, {steps} steps, {len(per_prompt)} prompts)", flush=True)
+    report = evaluate(_runtime(args), _kinds(args.kind), tasks, args.prompts_per_task, args.max_new_tokens, _work_dir(args))
     print(json.dumps(report))
 
 
@@ -369,96 +320,38 @@ def _progress(it, desc, total):
     return tqdm(it, desc=desc, total=total, file=sys.stderr)
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command line, as the provenance of what a command writes records it."""
+    return "python -m entmtp " + " ".join(args.argv)
+
+
 def cmd_build_bank(args: argparse.Namespace) -> None:
-    from .calibrate import Stages, build_bank, fingerprint
-    from .config import ROOT
-    from .data import prompts, read_prompt_file
+    from .calibrate import bank_figure, build_task_bank, calibration_prompts, fit_summary, fit_table
     from .loading import bank_path, load_runtime
 
     cfg = BankBuildConfig(calib_prompts=args.calib_prompts, calib_new_tokens=args.calib_new_tokens,
                           max_candidates=args.max_candidates)
     if cfg.max_candidates < 3:
         raise UsageError(f"--max-candidates must be at least 3 (the bank needs 3 trees), got {cfg.max_candidates}")
-    if args.prompts:
-        texts = [it["prompt"] for it in read_prompt_file(args.prompts, default_task=args.task)][: cfg.calib_prompts]
-        calibration = f"{args.prompts} (first {len(texts)} prompts)"
-    else:
-        texts = prompts(args.task, "calib", cfg.calib_prompts)
-        calibration = f"{args.task} calib split, first {len(texts)} prompts (entmtp/data.py)"
+    texts, calibration = calibration_prompts(args.task, args.prompts, cfg.calib_prompts)
     rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
-    heads = rt.heads("hydra")
-    work = Path(args.work) if args.work else ROOT / "checkpoints" / "bank" / rt.slug / args.task
     out = Path(args.out) if args.out else bank_path(rt.name, args.task)
-    fp = fingerprint(rt.model, "packed" if kernels.is_packed(rt.model) else "stock")
-    provenance = {
-        "model": rt.name,
-        "weights": getattr(rt, "weights", ""),
-        "heads_sha256": heads.provenance.get("sha256", "unknown"),
-        "calibration": calibration,
-        "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
-        "command": "python -m entmtp " + " ".join(args.argv),
-        "date": __import__("datetime").date.today().isoformat(),
-        "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
-    }
-    ids = [rt.encode(t) for t in texts]
     try:
-        baseline = rt.strategy("hydra", args.task).bank[0]  # Hydra's default tree, scored for comparison
-        bank = build_bank(rt.engine, heads, ids, cfg, Stages(work, args.fresh),
-                          {"model": rt.slug, "task": args.task, "provenance": provenance}, fp,
-                          progress=_progress, baseline=baseline)
+        bank = build_task_bank(rt, args.task, texts, calibration, cfg, args.work, args.fresh, _command(args), _progress)
     except ValueError as e:
-        if type(e) is ValueError:
+        if type(e) is ValueError:  # a refused setting (the work folder's); subclasses name their own fault
             raise UsageError(str(e)) from None
         raise
     bank.save(out)
-    figure = _bank_figure(bank, rt.slug, args.task)
+    figure = bank_figure(bank, rt.slug, args.task)
     print(fit_table(bank.fit))
     print(f"bank: {out}  figure: {figure}")
-    print(json.dumps({"bank": str(out), "task": args.task, **_fit_summary(bank.fit)}))
-
-
-def _bank_figure(bank, slug: str, task: str) -> Path:
-    from .config import ROOT
-    from .plots import front_figure, save_png
-
-    fig = front_figure(bank, bank.fit.get("baseline"))
-    figure = ROOT / "assets" / f"bank-{slug}-{task}.png"
-    if not save_png(fig, figure):
-        figure = figure.with_suffix(".html")  # no Chromium here: keep the interactive figure
-        fig.write_html(figure, include_plotlyjs="cdn")
-    return figure
-
-
-def fit_table(fit: dict) -> str:
-    """The fit of one task as text: per tree, then the policies and their predicted throughput."""
-    lines = [f"fitted on {fit['hardware']} ({fit['date']})",
-             f"{'tree':<10} {'acc/step':>8} {'step ms':>8} {'pred tok/s':>10}  front"]
-    for name, st in fit["trees"].items():
-        mark = "*" if name in fit["front"] else ""
-        lines.append(f"{name:<10} {st['mean_accepted']:>8.3f} {st['step_ms']:>8.1f} {st['tokens_per_s']:>10.2f}  {mark}")
-    if fit.get("baseline"):
-        b = fit["baseline"]
-        lines.append(f"{b['name']:<10} {b['mean_accepted']:>8.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>10.2f}  (hydra's tree, not in the bank)")
-    pol = fit["policies"]
-    lines.append(f"feature: {fit['feature']}  (rank correlation with accepted length: "
-                 + ", ".join(f"{k} {v['spearman']:+.2f}" for k, v in fit["features"].items()) + ")")
-    lines.append(f"static: {pol['static']['tree']}; ladder: {' < '.join(pol['ladder']['trees'])} at {pol['ladder']['thresholds']}; "
-                 f"tau: {pol['tau']['small']} <-> {pol['tau']['large']} on {pol['tau']['tau_on']:.3f} / off {pol['tau']['tau_off']:.3f}")
-    for name, why in fit.get("degenerate", {}).items():
-        lines.append(f"note: {name} {why}")
-    lines.append("predicted tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in fit["predicted_tokens_per_s"].items()))
-    return "\n".join(lines)
-
-
-def _fit_summary(fit: dict) -> dict:
-    pol = fit["policies"]
-    return {"trees": list(fit["trees"]), "front": fit["front"], "static": pol["static"]["tree"], "ladder": pol["ladder"],
-            "tau": pol["tau"], "feature": fit["feature"], "degenerate": fit.get("degenerate", {}),
-            "features": fit["features"], "predicted_tokens_per_s": fit["predicted_tokens_per_s"]}
+    print(json.dumps({"bank": str(out), "task": args.task, **fit_summary(bank.fit)}))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .loading import load_runtime
+    from .calibrate import bank_figure, fit_summary, fit_table
+    from .loading import bank_path, load_runtime
 
     t0 = time.perf_counter()
     tasks = list(dict.fromkeys(args.task or TASKS))
@@ -470,33 +363,23 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         print(f"== {task}")
         print(fit_table(bank.fit))
         if args.ship:
-            from .loading import bank_path
-
             bank.shipped_fit = bank.fit
             out = bank.save(bank_path(rt.name, task, rt.banks_dir))
-            print(f"shipped fit saved in {out}; figure {_bank_figure(bank, rt.slug, task)}")
+            print(f"shipped fit saved in {out}; figure {bank_figure(bank, rt.slug, task)}")
     hardware = next(iter(banks.values())).fit["hardware"]
     print(json.dumps({"hardware": hardware, "seconds": round(time.perf_counter() - t0, 1),
-                      "tasks": {t: _fit_summary(b.fit) for t, b in banks.items()}}))
+                      "tasks": {t: fit_summary(b.fit) for t, b in banks.items()}}))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .bench import BenchConfig, run_bench, table
-    from .calibrate import hardware
-    from .data import eval_prompt_file, read_prompt_file
+    from .bench import bench_items, check_methods, run_bench, save, summary, table
 
     cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
-    if args.prompts:
-        items = read_prompt_file(args.prompts)
-    else:
-        items = [it for task in args.tasks for it in eval_prompt_file(task, cfg.prompts_per_task)]
+    items = bench_items(args.prompts, args.tasks, cfg.prompts_per_task)
     rt = _runtime(args)
-    for task in sorted({it["task"] for it in items}):  # fail before measuring anything
-        for m in args.methods:
-            if m not in ("hf", "hf-lookup"):
-                rt.strategy(m, task)
+    check_methods(rt, items, args.methods)  # fail before measuring anything
 
     def progress(it, desc, total):
         return tqdm(it, desc=desc, total=total, file=sys.stderr, unit="prompt")
@@ -504,59 +387,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = run_bench(rt, items, args.methods, cfg, progress)
     print(table(out["results"]))
-    fits = {task: bank.fit.get("hardware") for task, bank in rt._banks.items()}
-    summary = {
-        "results": [{k: r[k] for k in ("task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless",
-                                       "same_as_ar", "predicted_tokens_per_s") if k in r} for r in out["results"]],
-        "hardware": hardware(),
-        "model": rt.name,
-        "weights": getattr(rt, "weights", ""),
-        "fit": fits,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "dtype": str(rt.model.dtype).replace("torch.", ""),
-        "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
-        "max_new_tokens": cfg.max_new_tokens,
-        "prompts": len(items),
-        "command": "python -m entmtp " + " ".join(args.argv),
-        "date": __import__("datetime").date.today().isoformat(),
-        "torch": __import__("torch").__version__,
-        **({"note": args.note} if args.note else {}),
-    }
+    result = summary(rt, out, items, cfg, time.perf_counter() - t0, _command(args), args.note)
     if args.out:
-        from .plots import bench_figure, save_png
-
-        d = Path(args.out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"]}))
-        fig = bench_figure(out["results"])
-        fig.write_html(d / "speedup.html", include_plotlyjs="cdn")
-        save_png(fig, d / "speedup.png")
-    print(json.dumps(summary))
+        save(args.out, result, out)
+    print(json.dumps(result))
 
 
 def cmd_report(args: argparse.Namespace) -> None:
     from .config import ROOT
-    from .report import ReportError, check, render
+    from .report import ReportError, read_run, render
 
     files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"))
     if not files:
         raise UsageError(f"no results files given and none in {ROOT / 'benchmarks'}")
-    runs = []
-    for f in files:
-        try:
-            run = json.loads(f.read_text())
-            check(run)
-        except OSError as e:
-            raise UsageError(f"cannot read results file {f}: {e.strerror or e}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UsageError(f"results file {f} is not JSON: {e}") from None
-        except ReportError as e:
-            raise UsageError(f"results file {f}: {e}") from None
-        try:  # named on the page by its path in the repository, so the page does not depend on the cwd
-            source = f.resolve().relative_to(ROOT).as_posix()
-        except ValueError:
-            source = f.as_posix()
-        runs.append({**run, "source": source})
+    try:
+        runs = [read_run(f) for f in files]
+    except ReportError as e:
+        raise UsageError(str(e)) from None
     out = Path(args.out) if args.out else ROOT / "BENCHMARKS.md"
     try:
         out.write_text(render(runs))
@@ -565,7 +412,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(out)
 
 
-COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads, "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
+COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,
+            "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,19 +11,34 @@ is in the run; without it the row says only whether it matched `ar` (`same_as_ar
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections import defaultdict
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from .config import GenerationConfig, Progress
+from .config import BenchConfig, GenerationConfig, Progress
 from .engine import PHASES, collect
 
+SUMMARY_FIELDS = ("task", "method", "tokens_per_s", "mean_accepted", "speedup_vs_ar", "lossless", "same_as_ar",
+                  "predicted_tokens_per_s")  # what the final JSON line keeps of each result row
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    prompts_per_task: int = 12
-    max_new_tokens: int = 128
-    warmup_new_tokens: int = 16
+def bench_items(prompts_file: str | None, tasks: list[str], prompts_per_task: int) -> list[dict]:
+    """The prompts of a run: a prompt file's, else the first `prompts_per_task` of each task's eval split."""
+    from .data import eval_prompt_file, read_prompt_file
+
+    if prompts_file:
+        return read_prompt_file(prompts_file)
+    return [it for task in tasks for it in eval_prompt_file(task, prompts_per_task)]
+
+
+def check_methods(rt, items: list[dict], methods: list[str]) -> None:
+    """Build every engine method's strategy for every task up front, so a run fails before measuring anything."""
+    for task in sorted({it["task"] for it in items}):
+        for m in methods:
+            if m not in ("hf", "hf-lookup"):
+                rt.strategy(m, task)
 
 
 def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = BenchConfig(), progress: Progress | None = None) -> dict:
@@ -127,3 +142,45 @@ def table(results: list[dict]) -> str:
             + " ".join(f"{ph[p]:>8.2f}" if engine else f"{'-':>8}" for p in PHASES)
         )
     return "\n".join(lines)
+
+
+def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, command: str,
+            note: str | None = None) -> dict[str, Any]:
+    """The final JSON line of `bench` (DESIGN.md, *Command line*): per task and method the headline
+    figures, then the machine, model, weights, fits and settings of the run."""
+    import torch
+
+    from . import kernels
+    from .calibrate import hardware
+
+    return {
+        "results": [{k: r[k] for k in SUMMARY_FIELDS if k in r} for r in out["results"]],
+        "hardware": hardware(),
+        "model": rt.name,
+        "weights": getattr(rt, "weights", ""),
+        "fit": {task: bank.fit.get("hardware") for task, bank in rt._banks.items()},
+        "seconds": round(seconds, 1),
+        "dtype": str(rt.model.dtype).replace("torch.", ""),
+        "kernels": "packed" if kernels.is_packed(rt.model) else "stock",
+        "max_new_tokens": cfg.max_new_tokens,
+        "prompts": len(items),
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        **({"note": note} if note else {}),
+    }
+
+
+def save(folder: str | Path, summary: dict, out: dict) -> Path:
+    """results.json (the summary plus every row and prompt) and the speedup figure (HTML, and PNG
+    where Chromium is installed) in `folder`; returns the results file."""
+    from .plots import bench_figure
+    from .png import save_png
+
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"]}))
+    fig = bench_figure(out["results"])
+    fig.write_html(d / "speedup.html", include_plotlyjs="cdn")
+    save_png(fig, d / "speedup.png")
+    return d / "results.json"

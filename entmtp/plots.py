@@ -394,37 +394,3 @@ def bench_figure(results: Sequence[dict], height: int = 420) -> go.Figure:
             "batch 1, greedy; tokens/s of each method over tokens/s of ar on the same prompts")
     fig.update_layout(barmode="group", yaxis_title="× ar", xaxis_title="task")
     return fig
-
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def save_png(fig: go.Figure, path, width: int = 1100, height: int | None = None) -> bool:
-    """Render a figure to PNG with Debian's Chromium through Playwright (no browser download).
-
-    Returns False, writing nothing, when Chromium or Playwright is not installed.
-    """
-    import os
-    import tempfile
-
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        return False
-    if not os.path.exists(CHROMIUM):
-        return False
-    height = height or int(fig.layout.height or 450)
-    with tempfile.TemporaryDirectory() as tmp:
-        page_file = os.path.join(tmp, "fig.html")
-        fig.write_html(page_file, include_plotlyjs=True, full_html=True, config={"staticPlot": True},
-                       default_width=f"{width}px", default_height=f"{height}px")
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": width + 20, "height": height + 20})
-            page.goto(f"file://{page_file}")
-            page.wait_for_selector(".main-svg")
-            page.locator(".plotly-graph-div").first.screenshot(path=str(path))
-            browser.close()
-    return True

@@ -7,6 +7,10 @@ DESIGN.md, *Performance targets*), so the same files give the same page, byte fo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from .config import ROOT
 from .engine import PHASES
 
 # DESIGN.md, *Performance targets*
@@ -43,7 +47,7 @@ and its column says `same as ar`.
 
 
 class ReportError(ValueError):
-    """A results file that is not a bench results.json."""
+    """A results file that cannot be read or is not a bench results.json."""
 
 
 def check(run: dict) -> None:
@@ -68,6 +72,26 @@ def check(run: dict) -> None:
             raise ReportError(f"{where}: hf ran, so the row needs 'lossless' and 'speedup_vs_hf'")
         if not isinstance(r["phase_ms_per_step"], dict) or set(r["phase_ms_per_step"]) != set(PHASES):
             raise ReportError(f"{where}: 'phase_ms_per_step' must hold {', '.join(PHASES)}")
+
+
+def read_run(path: Path, root: Path = ROOT) -> dict:
+    """One results file, checked, with its "source": its path in the repository when it lies there
+    (so the page does not depend on the working directory), else as given. ReportError names the
+    file and what is wrong with it."""
+    try:
+        run = json.loads(Path(path).read_text())
+        check(run)
+    except OSError as e:
+        raise ReportError(f"cannot read results file {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReportError(f"results file {path} is not JSON: {e}") from None
+    except ReportError as e:
+        raise ReportError(f"results file {path}: {e}") from None
+    try:
+        source = Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        source = Path(path).as_posix()
+    return {**run, "source": source}
 
 
 def _num(v: float | None, fmt: str) -> str:

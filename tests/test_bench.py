@@ -6,9 +6,9 @@ import pytest
 
 from entmtp.__main__ import main
 from entmtp.bank import TopologyBank
-from entmtp.bench import BenchConfig, run_bench, table
+from entmtp.bench import run_bench, table
 from entmtp.calibrate import fit_task
-from entmtp.config import METHODS, ModelConfig
+from entmtp.config import METHODS, BenchConfig, ModelConfig
 from entmtp.loading import load_runtime, model_slug
 from entmtp.topology import chain, compile_tree
 from entmtp.traces import Trace

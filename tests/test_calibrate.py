@@ -8,7 +8,7 @@ import pytest
 from entmtp import calibrate as cal
 from entmtp import traces as tr
 from entmtp.bank import TopologyBank, parse_bank
-from entmtp.config import GenerationConfig
+from entmtp.config import BankBuildConfig, CalibrateConfig, GenerationConfig
 from entmtp.engine import Engine, Strategy, collect
 from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import compile_tree
@@ -157,9 +157,9 @@ def test_fit_prices_each_tree_by_its_traces():
 
 def tiny_bank(setup, tmp_path, fp):
     engine, heads, prompts, _ = setup
-    cfg = cal.BankBuildConfig(calib_new_tokens=24, max_candidates=5)
+    cfg = BankBuildConfig(calib_new_tokens=24, max_candidates=5)
     prov = {"model": "tiny", "heads_sha256": "x", "calibration": "random", "command": "test", "date": "d", "hardware": "h"}
-    calib = cal.CalibrateConfig(context=16, rounds=1, steps=2)
+    calib = CalibrateConfig(context=16, rounds=1, steps=2)
     return cal.build_bank(engine, heads, prompts, cfg, cal.Stages(tmp_path / "work"),
                           {"model": "tiny", "task": "chat", "provenance": prov}, fp, calib)
 
@@ -192,7 +192,7 @@ def test_fits_are_cached_per_machine(setup, tmp_path, monkeypatch):
     fp_a = {"device": "cpu A", "threads": 1, "dtype": "float32", "kernels": "stock", "torch": "x"}
     fp_b = {**fp_a, "device": "cpu B"}
     bank = tiny_bank(setup, tmp_path, fp_a)
-    calib = cal.CalibrateConfig(context=16, rounds=1, steps=2)
+    calib = CalibrateConfig(context=16, rounds=1, steps=2)
     timed = []
     real = cal.measure_costs
     monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: timed.append(1) or real(*a, **k))

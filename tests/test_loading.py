@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from entmtp import loading
-from entmtp.config import DEFAULT_MODEL, ModelConfig
-from entmtp.loading import DEFAULT_HUB_REPO, WEIGHTS_ENV, LoadError
+from entmtp.config import DEFAULT_HUB_REPO, DEFAULT_MODEL, WEIGHTS_ENV, ModelConfig
+from entmtp.loading import LoadError
 
 SNAPSHOT = hashlib.sha1(b"entmtp test snapshot").hexdigest()  # any 40-hex commit id
 

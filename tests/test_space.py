@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from entmtp.config import ROOT, ModelConfig
-from entmtp.loading import DEFAULT_HUB_REPO, WEIGHTS_ENV, default_weights_kind, resolve_weights
+from entmtp.config import DEFAULT_HUB_REPO, ROOT, WEIGHTS_ENV, ModelConfig
+from entmtp.loading import default_weights_kind, resolve_weights
 from test_loading import fill_hub_cache
 
 pytestmark = pytest.mark.slow

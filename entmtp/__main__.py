@@ -1,7 +1,7 @@
-"""Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads}`.
+"""Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads,kernels}`.
 
 Argument parsing and dispatch only: each command's work lives in its module (engine, bench,
-report, calibrate, train, evalheads). A bad argument or file prints one
+report, calibrate, train, evalheads, kernels). A bad argument or file prints one
 `entmtp: error: ...` line and exits with code 2, never a traceback.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .config import (DEFAULT_MODEL, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
-                     ModelConfig, TrainConfig)
+                     KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
 
@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("files", nargs="*", help="bench results.json files (default: benchmarks/*.json, sorted)")
     rp.add_argument("--out", default=None, help="Markdown file written (default: BENCHMARKS.md at the repository root)")
 
+    k = KernelBenchConfig()
+    kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
+    kn.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
+    kn.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    kn.add_argument("--reps", type=positive_int, default=k.reps, help="timed rounds, medians reported (default: %(default)s)")
+    kn.add_argument("--context", type=positive_int, default=k.context, help="cached tokens a tree attends to (default: %(default)s)")
     return parser
 
 
@@ -412,8 +418,31 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(out)
 
 
+def cmd_kernels(args: argparse.Namespace) -> None:
+    import torch
+
+    from .calibrate import hardware
+    from .kernels import compare, compare_table, is_packed
+    from .loading import load_runtime
+
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rt = load_runtime(ModelConfig(model=args.model, dtype="float32", device="cpu", kernels="packed"))
+        if not is_packed(rt.model):
+            raise UsageError("packed kernels need PyTorch with oneDNN on this CPU: there is nothing to compare here")
+        cfg = KernelBenchConfig(reps=args.reps, context=args.context)
+        result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32",
+                  **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__}
+    finally:
+        torch.set_num_threads(threads)
+    print(compare_table(result))
+    print(json.dumps(result))
+
+
 COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,
-            "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank}
+            "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank, "kernels": cmd_kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

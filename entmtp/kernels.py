@@ -13,12 +13,16 @@ The `hf` baselines run under `stock_kernels()`, so they measure transformers as 
 
 `tree_sdpa` is the attention counterpart: the tree verification's masked query block attends
 grouped-query heads without materialising the repeated key/value heads.
+
+`compare` times both against stock per tree size on a loaded model (`python -m entmtp kernels`).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -136,3 +140,61 @@ def use_tree_attention(model: nn.Module) -> bool:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
     return model.config._attn_implementation == ATTENTION
+
+
+# --- micro-benchmark: packed against stock (`python -m entmtp kernels`) ----------------------------
+
+
+@torch.inference_mode()
+def compare(model: nn.Module, sizes: tuple[int, ...], context: int, reps: int, warmup: int = 2) -> dict:
+    """Median ms, packed and stock, of one tree verification (a tree of n nodes over `context`
+    cached tokens, LM head included: the verify phase of a decode step) and of the LM head alone
+    (the largest linear) on n rows, per n in `sizes`. `model` is a CPU model loaded with packed
+    kernels; its stock figures run the same weights under `stock_kernels()`, which computes what
+    `--kernels stock` does. Sizes and kernels are interleaved per round, the kernels' order
+    alternating, so drift of the machine hits both alike."""
+    from . import kv, verify
+    from .topology import chain, compile_tree
+
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape
+    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    context = max(1, min(context, limit - max(sizes) - 1))
+    g = torch.Generator().manual_seed(0)
+    cache = kv.new_cache(model.config)
+    verify.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    trees = {n: compile_tree(chain(n - 1), f"chain{n}") for n in sizes}
+    tokens = {n: torch.randint(vocab // 8, vocab, (n,), generator=g) for n in sizes}
+    rows = {n: torch.randn(1, n, hidden, generator=g, dtype=head.weight.dtype) for n in sizes}
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for r in range(warmup + reps):
+        for n in sizes:
+            for kind in ("packed", "stock")[:: 1 if r % 2 else -1]:
+                with stock_kernels() if kind == "stock" else nullcontext():
+                    t0 = time.perf_counter()
+                    verify.tree_forward(model, cache, trees[n], tokens[n], context)
+                    t1 = time.perf_counter()
+                    kv.commit(cache, context, [], n)  # drop the block: every verification sees the same context
+                    t2 = time.perf_counter()
+                    head(rows[n])
+                    t3 = time.perf_counter()
+                if r >= warmup:
+                    times.setdefault(("verify_ms", kind, n), []).append((t1 - t0) * 1e3)
+                    times.setdefault(("lm_head_ms", kind, n), []).append((t3 - t2) * 1e3)
+    med = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    return {"context": context, "reps": reps, "rows": [
+        {"nodes": n, **{what: {kind: med[(what, kind, n)] for kind in ("packed", "stock")} for what in ("verify_ms", "lm_head_ms")}}
+        for n in sizes]}
+
+
+def compare_table(result: dict) -> str:
+    """`compare`'s figures as text under a line naming the machine and the weights: per tree size,
+    packed and stock ms and stock / packed. `result` also holds "hardware" and "weights"."""
+    head = f"{'nodes':>5}  {'verify packed':>13} {'stock':>8} {'x':>5}  {'lm_head packed':>14} {'stock':>8} {'x':>5}"
+    lines = [f"{result['hardware']}; {result['weights']}; {result['context']} tokens of context, "
+             f"medians of {result['reps']} (ms; x = stock / packed)", head, "-" * len(head)]
+    for r in result["rows"]:
+        v, h = r["verify_ms"], r["lm_head_ms"]
+        lines.append(f"{r['nodes']:>5}  {v['packed']:>13.2f} {v['stock']:>8.2f} {v['stock'] / v['packed']:>5.2f}  "
+                     f"{h['packed']:>14.2f} {h['stock']:>8.2f} {h['stock'] / h['packed']:>5.2f}")
+    return "\n".join(lines)

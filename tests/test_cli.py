@@ -82,3 +82,24 @@ def test_module_entry_point_exits_2_without_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not __import__("entmtp.kernels").kernels.available("cpu", __import__("torch").float32),
+                    reason="PyTorch without oneDNN: no packed kernels to time")
+def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
+    import torch
+
+    threads = torch.get_num_threads()
+    code, out, err = cli(capsys, "kernels", "--model", str(tiny_dir), "--reps", "1", "--threads", "2")
+    assert code == 0, err
+    assert torch.get_num_threads() == threads  # the process's setting comes back
+    lines = out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["hardware"].startswith("cpu ") and "torch threads 2" in result["hardware"]
+    assert lines[0].startswith(result["hardware"])  # the table names the machine
+    assert [r["nodes"] for r in result["rows"]] == [1, 5, 9, 17] and result["reps"] == 1
+    assert result["context"] == 160 - 17 - 1  # 192 does not fit the tiny model's 160 positions
+    for r in result["rows"]:
+        for what in ("verify_ms", "lm_head_ms"):
+            assert set(r[what]) == {"packed", "stock"} and all(v > 0 for v in r[what].values())
+    assert len(lines) == 1 + 2 + 4 + 1  # heading, table head and rule, a row per size, the JSON line

@@ -1,56 +1,107 @@
 """`eval-heads`: held-out accuracy of each draft head, and the mean accepted length per task.
 
 Accuracy is read on self-generated answers to the calibration split (the same held-out corpus
-`train-heads` reports on); the accepted length comes from decoding the evaluation split with the
-heads' own method (`hydra` or `medusa`, on Hydra's default tree).
+`train-heads` reports on), beside the training-sample accuracy the heads' provenance records.
+
+The accepted length is that of the heads' own method (`hydra` or `medusa`) on Hydra's default
+tree over the evaluation split, computed exactly from acceptance traces (entmtp.traces): at
+temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
+along it, position by position (tests check trace simulation against real rollouts). The
+greedy continuations depend on the base model only, so they are kept in the user cache
+(`<cache>/eval-answers/<model>.jsonl.gz`, never read by training) and a second evaluation, of
+new heads say, costs one teacher-forced forward per prompt. Each task's figure comes with a 95%
+bootstrap interval over prompts.
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import BASELINE_TREE, GenerationConfig, TrainConfig
+from .config import BASELINE_TREE, TREES_FILE, TrainConfig
+
+BOOTSTRAP = 2000  # resamples of the prompts for the interval
 
 
-def evaluate(rt, kinds: list[str], tasks: list[str], prompts_per_task: int, max_new_tokens: int, work: Path,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def bootstrap_ci(tokens: list[int], steps: list[int], reps: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of sum(tokens)/sum(steps) when prompts are resampled with replacement."""
+    if not tokens:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    n, values = len(tokens), []
+    for _ in range(reps):
+        pick = [rng.randrange(n) for _ in range(n)]
+        values.append(sum(tokens[i] for i in pick) / max(1, sum(steps[i] for i in pick)))
+    values.sort()
+    return (values[int(0.025 * reps)], values[min(reps - 1, int(0.975 * reps))])
+
+
+def continuations(rt, heads, prompts: list[list[int]], new_tokens: int, store, progress: Callable | None = None) -> list[list[int]]:
+    """The base model's greedy continuation of each prompt, from `store` or decoded (and stored)."""
+    from .traces import greedy
+
+    out = []
+    it = range(len(prompts))
+    for i in (progress(it, "greedy continuations", len(prompts)) if progress else it):
+        known = store.get(prompts[i], new_tokens)
+        if known is None:
+            known = greedy(rt.engine, heads, prompts[i], new_tokens)
+            store.add("eval", "greedy", [prompts[i]], [known], new_tokens)
+        out.append(known)
+    return out
+
+
+def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per prompt (tokens, steps) of `kind`'s heads on Hydra's default tree, from exact traces."""
+    from .topology import load_named_trees
+    from .traces import decode_with, record
+
+    tree = load_named_trees(TREES_FILE)[BASELINE_TREE]
+    heads = rt.heads(kind)
+    pairs = [decode_with(tree, record(rt.engine, heads, p, c, tree.max_depth)) for p, c in zip(prompts, conts)]
+    return [t for t, _ in pairs], [s for _, s in pairs]
+
+
+def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tokens: int, work: Path, cache_root: Path,
+             log: Callable[[str], None] | None = None, progress: Callable | None = None) -> dict[str, Any]:
     """Evaluate the runtime's heads of each kind; `log` receives the human-readable lines.
 
-    Returns {"heldout": {kind: per-head accuracy}, "accepted": {kind: {task: row}}, "max_new_tokens"}.
+    Returns {"heldout": {kind: per-head accuracy}, "train_sample": {kind: per-head accuracy or None},
+    "accepted": {kind: {task: row}}, "max_new_tokens"}.
     """
     log = log or (lambda line: print(line, flush=True))
     from .data import eval_prompt_file
-    from .engine import collect
     from .loading import eos_ids
-    from .train import build_corpus, head_accuracy
+    from .train import AnswerStore, build_corpus, head_accuracy
 
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     end = min(eos) if eos else 0
     heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
-                           end, TrainConfig(), work, "calib")
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    report: dict[str, Any] = {"heldout": {}, "accepted": {}, "max_new_tokens": max_new_tokens}
+                           end, TrainConfig(), work, "calib", progress is not None)
+    store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name)
+    items = {task: [rt.encode(it["prompt"]) for it in eval_prompt_file(task, n)] for task, n in prompts_per_task.items()}
+    conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}
+    report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "max_new_tokens": max_new_tokens,
+                              "tree": BASELINE_TREE, "method": "exact trace simulation at temperature 0"}
     for kind in kinds:
         heads = rt.heads(kind)
         acc = head_accuracy(heads, heldout)
-        report["heldout"][kind] = acc
-        log(f"{kind} heads ({heads.provenance.get('sha256', '?')}), held-out calib answers, per head:")
+        seen = (heads.provenance.get("train_sample") or {}).get("per_head")
+        report["heldout"][kind], report["train_sample"][kind] = acc, seen
+        log(f"{kind} heads ({heads.provenance.get('sha256', '?')}), held-out calib answers, per head"
+            + (" (beside: training answers, from the heads' provenance)" if seen else "") + ":")
         for i, h in enumerate(acc):
-            log(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']})")
+            beside = f"   training top-1 {seen[i]['top1']:.3f}" if seen and i < len(seen) else ""
+            log(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']}){beside}")
         report["accepted"][kind] = {}
-        for task in tasks:
-            tokens = steps = 0
-            per_prompt = []
-            for item in eval_prompt_file(task, prompts_per_task):
-                res = collect(rt.run(kind, task, rt.encode(item["prompt"]), gen))
-                tokens, steps = tokens + res.new_tokens, steps + len(res.steps)
-                per_prompt.append(res.mean_accepted)
-            row = {"prompts": len(per_prompt), "tokens": tokens, "steps": steps,
-                   "mean_accepted": round(tokens / max(1, steps), 4),
-                   "mean_accepted_per_prompt": round(sum(per_prompt) / max(1, len(per_prompt)), 4)}
+        for task, prompts in items.items():
+            tokens, steps = accepted_on(rt, kind, prompts, conts[task])
+            lo, hi = bootstrap_ci(tokens, steps)
+            row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
+                   "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
             report["accepted"][kind][task] = row
-            log(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step "
-                f"({tokens} tokens, {steps} steps, {len(per_prompt)} prompts)")
+            log(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
+                f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
     return report

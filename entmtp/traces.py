@@ -145,25 +145,39 @@ def _draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:
     return inv
 
 
-def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
-               done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
-               progress: Progress | None = None) -> list[Trace]:
-    """Greedy continuations (through the engine, a small tree for speed) and their traces; resumable."""
+def greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int) -> list[int]:
+    """The base model's greedy continuation, through the engine with a small tree (faster than `ar`)."""
     from .bank import TopologyBank
     from .config import GenerationConfig
     from .engine import Strategy, collect
     from .policy import StaticPolicy
     from .topology import compile_tree
 
-    out = list(done or [])
     strategy = Strategy("rollout", TopologyBank.of(compile_tree([[0], [1], [0, 0], [0, 0, 0]], "rollout")),
-                                   StaticPolicy(0), heads)
+                        StaticPolicy(0), heads)
+    return list(collect(engine.generate(prompt, strategy, GenerationConfig(max_new_tokens=new_tokens))).token_ids)
+
+
+def decode_with(tree: Tree, trace: Trace) -> tuple[int, int]:
+    """(tokens, steps) of a decode with one static tree along `trace`."""
+    have = set(tree.paths)
+    n, i, tokens, steps = len(trace), 0, 0, 0
+    while i < n:
+        a = min(accepted_in(have, trace.rank_path(i)), n - i)
+        tokens, steps, i = tokens + a, steps + 1, i + a
+    return tokens, steps
+
+
+def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
+               done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
+               progress: Progress | None = None) -> list[Trace]:
+    """Greedy continuations (through the engine, a small tree for speed) and their traces; resumable."""
+    out = list(done or [])
     it = range(len(prompts))
     for i in (progress(it, "traces", len(prompts)) if progress else it):
         if i < len(out):
             continue  # resumed
-        res = collect(engine.generate(prompts[i], strategy, GenerationConfig(max_new_tokens=new_tokens)))
-        out.append(record(engine, heads, prompts[i], res.token_ids, depth).to_json())
+        out.append(record(engine, heads, prompts[i], greedy(engine, heads, prompts[i], new_tokens), depth).to_json())
         if save:
             save(out)
     return [Trace.from_json(t) for t in out]

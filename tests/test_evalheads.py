@@ -1,0 +1,51 @@
+"""eval-heads: accepted length from exact traces, with a bootstrap interval, on the tiny model."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from entmtp.bank import TopologyBank
+from entmtp.config import BASELINE_TREE, TREES_FILE, GenerationConfig
+from entmtp.engine import Engine, Strategy, collect
+from entmtp.evalheads import accepted_on, bootstrap_ci, continuations
+from entmtp.policy import StaticPolicy
+from entmtp.topology import compile_tree, load_named_trees
+from entmtp.train import AnswerStore
+from conftest import random_heads, tiny_llama
+
+
+def test_bootstrap_interval_holds_the_estimate_and_is_reproducible():
+    assert bootstrap_ci([10] * 5, [4] * 5) == (2.5, 2.5)  # identical prompts: no spread
+    tokens, steps = [10, 20, 30, 12, 40], [10, 8, 6, 5, 30]
+    lo, hi = bootstrap_ci(tokens, steps)
+    assert lo < sum(tokens) / sum(steps) < hi
+    assert min(t / s for t, s in zip(tokens, steps)) <= lo and hi <= max(t / s for t, s in zip(tokens, steps))
+    assert bootstrap_ci(tokens, steps) == (lo, hi)
+
+
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_trace_acceptance_equals_a_real_decode_with_the_default_tree(tmp_path, kind):
+    """Per prompt, the tokens and steps eval-heads reports are those of the engine's own decode with
+    Hydra's default tree, and the greedy continuations are stored, then read back."""
+    model = tiny_llama(seed=5, vocab=12)  # a small vocabulary: random heads get drafts accepted
+    heads = random_heads(model, kind)
+    rt = SimpleNamespace(engine=Engine(model), heads=lambda k: heads)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(12) for _ in range(rng.randint(3, 9))] for _ in range(5)]
+    store = AnswerStore(tmp_path / "eval.jsonl.gz", "tiny")
+    conts = continuations(rt, heads, prompts, 40, store)
+    assert AnswerStore(tmp_path / "eval.jsonl.gz", "tiny").answers == store.answers and len(store.answers) == 5
+    tokens, steps = accepted_on(rt, kind, prompts, conts)
+    gen = GenerationConfig(max_new_tokens=40)
+    tree = TopologyBank.of(load_named_trees(TREES_FILE)[BASELINE_TREE])
+    accepted = []
+    for p, c, t, s in zip(prompts, conts, tokens, steps):
+        ar = collect(rt.engine.generate(p, Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0)), gen))
+        real = collect(rt.engine.generate(p, Strategy(kind, tree, StaticPolicy(0), heads), gen))
+        assert list(ar.token_ids) == c == list(real.token_ids)
+        assert (t, s) == (real.new_tokens, len(real.steps))
+        accepted.append(t / s)
+    assert max(accepted) > 1.2, accepted  # drafts were accepted: the comparison covers more than the root

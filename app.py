@@ -104,7 +104,7 @@ def make_race(cfg: AppConfig, models: Models):
                 yield (gr.skip(),) * 6 + ("<span class='badge running'>fitting the bank to this machine… "
                                           "(timing each tree once; later races start at once)</span>",) + (gr.skip(),) * 7
             bank = bank_for(rt, req.task, _progress(progress))
-            ent, base, pol = start(rt, req, bank)
+            ent, base, pol = start(rt, req, bank, models.runtime_lock(model))
         except RaceError as e:
             raise gr.Error(str(e), title=e.title) from None
         except (LoadError, GenerationError, ValueError) as e:
@@ -153,7 +153,7 @@ def bank_view(models: Models, task: str, model: str | None, refit: bool = False,
         name = models.check(model)
         rt = models.loaded(name)
         if rt is None or (not refit and has_bank(rt, task) and rt.needs_calibration(task)):
-            bank = fallback_bank() if rt is None and not _bank_file(name, task) else resolve_bank(name, task)
+            bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
             hw = bank.fit.get("hardware", "?")
             note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
                     f"{bank.fit.get('date', '')}). The first race on this task fits it to this machine (or press Refit).")
@@ -171,12 +171,6 @@ def bank_view(models: Models, task: str, model: str | None, refit: bool = False,
             for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
     on, off = tau_defaults(bank)
     return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
-
-
-def _bank_file(model: str, task: str) -> bool:
-    from entmtp.loading import bank_path
-
-    return bank_path(model, task).exists()
 
 
 def _policy_trees(pol) -> set[int]:

@@ -94,8 +94,9 @@ def validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed=0
 class Models:
     """Runtimes by model name, loaded once each; only names in `allowed` are ever loaded.
 
-    Each model has its own lock, so a slow first load (a hub download) of one model does not
-    hold up races on another that is already loaded.
+    Each model has its own load lock, so a slow first load (a hub download) of one model does not
+    hold up races on another that is already loaded; each loaded runtime comes with its own lock
+    (`runtime_lock`), held while a race sets up on it (its heads load lazily).
     """
 
     def __init__(self, default: str, allowed: tuple[str, ...], hydra_heads: str | None = None,
@@ -104,6 +105,7 @@ class Models:
         self.heads = {"hydra": hydra_heads, "medusa": medusa_heads}
         self.fit_mode = fit_mode
         self._runtimes: dict[str, Runtime] = {}
+        self._runtime_locks: dict[str, threading.Lock] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -127,11 +129,16 @@ class Models:
                 own = name == self.default  # head paths from the environment apply to the app's own model
                 rt = load_runtime(ModelConfig(model=name), self.heads["hydra"] if own else None,
                                   self.heads["medusa"] if own else None, fit_mode=self.fit_mode)
+                self._runtime_locks[name] = threading.Lock()
                 self._runtimes[name] = rt
         return self._runtimes[name]
 
     def loaded(self, model: str | None) -> Runtime | None:
         return self._runtimes.get((model or "").strip() or self.default)
+
+    def runtime_lock(self, model: str | None) -> threading.Lock:
+        """The lock of a loaded model's runtime (`get` it first)."""
+        return self._runtime_locks[self.check(model)]
 
 
 # -- banks -------------------------------------------------------------------------------------
@@ -147,7 +154,11 @@ def fallback_bank() -> TopologyBank:
     return TopologyBank(trees, [{} for _ in trees], policies, {"fallback": True})
 
 
-def has_bank(rt: Runtime, task: str) -> bool:
+def has_bank(rt: Runtime | str, task: str) -> bool:
+    """Whether a bank file exists for the task: a runtime's (in its banks folder), or a model
+    name's in the default banks folder (a model not loaded yet)."""
+    if isinstance(rt, str):
+        return bank_path(rt, task).exists()
     return bank_path(rt.name, task, rt.banks_dir).exists()
 
 
@@ -260,10 +271,11 @@ def badge(ent: Side, base: Side, temperature: float) -> str:
     return f"<span class='badge diff'>✗ {ent.name} and {base.name} differ from token {k}</span>"
 
 
-def start(rt: Runtime, req: Request, bank: TopologyBank) -> tuple[Side, Side, Policy]:
-    """Both sides ready to step, with their kernels built off the clocks."""
+def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -> tuple[Side, Side, Policy]:
+    """Both sides ready to step, with their kernels built off the clocks. `lock` is the runtime's
+    (`Models.runtime_lock`): races set up on one runtime one at a time."""
     policy, label = entmtp_policy(bank, req)
-    with rt_lock(rt):  # heads load lazily inside the runtime
+    with lock:  # heads load lazily inside the runtime
         ent_s = Strategy(f"entmtp-{req.policy}", bank, policy, rt.heads("hydra"))
         base_s = rt.strategy(req.baseline, req.task)
         if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
@@ -277,15 +289,6 @@ def start(rt: Runtime, req: Request, bank: TopologyBank) -> tuple[Side, Side, Po
     ent = Side(label, rt.engine.generate(ids, ent_s, gen))
     base = Side(BASELINES[req.baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen))
     return ent, base, policy
-
-
-_RT_LOCKS: dict[int, threading.Lock] = {}
-_RT_GUARD = threading.Lock()
-
-
-def rt_lock(rt: Runtime) -> threading.Lock:
-    with _RT_GUARD:
-        return _RT_LOCKS.setdefault(id(rt), threading.Lock())
 
 
 def tree_view(rt: Runtime, bank: TopologyBank, rec: StepRecord | None) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (DEFAULT_MODEL, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts per task whose reference answer is read teacher-forced (default: %(default)s)")
     tr.add_argument("--sharegpt-code", type=non_negative_int, default=t.sharegpt_code_prompts, metavar="N",
                     help="Python questions from chat's training split answered by the base model, as code (default: %(default)s)")
+    tr.add_argument("--init", default="", metavar="DIR",
+                    help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept)")
     tr.add_argument("--corpus-only", action="store_true", help="build the corpus (and store new answers), train nothing")
     tr.add_argument("--answers", default=None, metavar="FILE",
                     help="stored greedy answers, read and extended (default: data/answers/<model>.jsonl.gz for the "
@@ -137,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval-heads", help="held-out head accuracy and mean accepted length per task")
     ev.add_argument("--kind", choices=["hydra", "medusa", "both"], default="hydra")
-    ev.add_argument("--prompts-per-task", type=positive_int, default=8, help="evaluation prompts per task")
+    ev.add_argument("--prompts", type=task_counts, default=EVAL_HEADS_PROMPTS, metavar="TASK=N,...",
+                    help="evaluation prompts per task (default: %(default)s)")
+    ev.add_argument("--prompts-per-task", type=positive_int, default=None, help="the same number for every task instead")
     ev.add_argument("--max-new-tokens", type=positive_int, default=g.max_new_tokens)
     ev.add_argument("--tasks", default=",".join(TASKS), help="comma-separated tasks (default: %(default)s)")
     ev.add_argument("--work", default=None, help="where the held-out corpus is cached (default: as train-heads)")
@@ -273,7 +277,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch, init=args.init,
     )
     kinds = _kinds(args.kind)
     out = {k: Path(args.out) / k if args.out else default_heads_dir(args.model, k) for k in kinds}
@@ -303,20 +307,27 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         return
     for kind, prov in results.items():
         print(f"{kind}: saved to {out[kind]}; held-out (calib) per head:")
-        for i, h in enumerate(prov["heldout"]["per_head"]):
-            print(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']})")
+        for i, (h, t) in enumerate(zip(prov["heldout"]["per_head"], prov["train_sample"]["per_head"])):
+            print(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']}); "
+                  f"training answers: top-1 {t['top1']:.3f}  top-5 {t['top5']:.3f}")
     print(json.dumps({k: {"out": str(out[k]), "heldout": p["heldout"]["per_head"], "training": p["training"]}
                       for k, p in results.items()}))
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
     from .evalheads import evaluate
+    from .loading import cache_root
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
-    report = evaluate(_runtime(args), _kinds(args.kind), tasks, args.prompts_per_task, args.max_new_tokens, _work_dir(args))
+    counts = dict(args.prompts)
+    per_task = {t: args.prompts_per_task or counts[t] for t in tasks if args.prompts_per_task or t in counts}
+    if not per_task:
+        raise UsageError(f"--prompts names none of the tasks {', '.join(tasks)}")
+    report = evaluate(_runtime(args), _kinds(args.kind), per_task, args.max_new_tokens, _work_dir(args),
+                      cache_root(model_config(args)), progress=_progress)
     print(json.dumps(report))
 
 

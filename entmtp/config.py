@@ -110,6 +110,10 @@ class KernelBenchConfig:
     warmup: int = 2  # untimed first rounds
 
 
+# eval-heads: evaluation prompts per task (chat's ShareGPT prompts vary most, so it has the most)
+EVAL_HEADS_PROMPTS = (("code", 16), ("math", 16), ("chat", 48))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Self-distillation of draft heads (see entmtp.train). Corpus fields, then the trainer's."""
@@ -138,3 +142,4 @@ class TrainConfig:
     temperature: float = 1.0
     seed: int = 0
     checkpoint_every: int = 50
+    init: str = ""  # a heads folder (holding <kind>/) to train further instead of fresh heads; its draft vocabulary is kept

@@ -135,7 +135,8 @@ def _default_hub_dir() -> Path:
         ) from None
 
 
-def _cache_root(cfg: ModelConfig) -> Path:
+def cache_root(cfg: ModelConfig = ModelConfig()) -> Path:
+    """Where the dequantised default model, this machine's fits and other caches live."""
     if cfg.cache_dir is not None:
         return Path(cfg.cache_dir)
     return Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp"))
@@ -148,7 +149,7 @@ def _default_model_dir(cfg: ModelConfig) -> Path:
 
     gguf = default_gguf()
     st = gguf.stat()
-    target = _cache_root(cfg) / f"{DEFAULT_MODEL}-{st.st_size}-{int(st.st_mtime)}"
+    target = cache_root(cfg) / f"{DEFAULT_MODEL}-{st.st_size}-{int(st.st_mtime)}"
     if (target / "model.safetensors").exists():
         return target
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -328,7 +329,7 @@ class Runtime:
                 self._trees = load_named_trees(TREES_FILE)
             try:
                 self._banks.update(resolve_fits(
-                    self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or _cache_root(ModelConfig()),
+                    self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or cache_root(ModelConfig()),
                     mode, self.calibrate_config, self._trees[BASELINE_TREE], progress or self.progress))
             except BankError as e:
                 raise LoadError(str(e)) from None
@@ -339,7 +340,7 @@ class Runtime:
         if task in self._banks:
             return False
         bank = resolve_bank(self.name, task, self.banks_dir)
-        return known_fit(bank, self.fingerprint, self.cache_root or _cache_root(ModelConfig()), self.fit_mode) is None
+        return known_fit(bank, self.fingerprint, self.cache_root or cache_root(ModelConfig()), self.fit_mode) is None
 
     def fitted_here(self, task: str) -> bool:
         """Whether the task's bank is fitted to this machine (not the shipped fit of another one)."""
@@ -415,6 +416,6 @@ def load_runtime(
         weights=weights.description,
         fit_mode=fit_mode,
         calibrate_config=calibrate_config or CalibrateConfig(),
-        cache_root=_cache_root(cfg),
+        cache_root=cache_root(cfg),
         progress=progress,
     )

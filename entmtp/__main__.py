@@ -268,7 +268,8 @@ def _kinds(kind: str) -> list[str]:
 
 def cmd_train_heads(args: argparse.Namespace) -> None:
     from .loading import default_heads_dir, eos_ids, load_runtime
-    from .train import ANSWERS_DIR, AnswerStore, train_and_save
+    from .answers import ANSWERS_DIR, AnswerStore
+    from .train import train_and_save
 
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")

@@ -489,15 +489,18 @@ def build_bank(
     calib: CalibrateConfig = CalibrateConfig(),
     progress: Progress | None = None,
     baseline: Tree | None = None,
+    answers=None,
 ) -> TopologyBank:
-    """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable)."""
+    """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable).
+
+    `answers` (an entmtp.answers.AnswerStore) supplies and keeps the greedy continuations."""
     key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)},
            "heads": meta["provenance"].get("heads_sha256")}
     if stages.load("stage0") not in (None, key):
         raise ValueError(f"{stages.work} holds a build with other settings; pass --fresh or another --work")
     stages.save("stage0", key)
     traces = record_all(engine, heads, calib_prompts, cfg.calib_new_tokens, cfg.max_depth,
-                        stages.load("stage1"), lambda t: stages.save("stage1", t), progress)
+                        stages.load("stage1"), lambda t: stages.save("stage1", t), progress, answers)
     paths = [t.rank_path(i) for t in traces for i in range(len(t))]
     trees = candidates(paths, cfg)
     bank = TopologyBank(trees, [{} for _ in trees], {"static": StaticPolicy(0)}, meta, traces)
@@ -522,7 +525,10 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
                     fresh: bool, command: str, progress: Progress | None = None) -> TopologyBank:
     """`build_bank` for a loaded runtime (`entmtp.loading.Runtime`): its Hydra heads, Hydra's
     default tree scored beside the candidates, provenance filled in. Stages checkpoint under
-    `work` (default: checkpoints/bank/<model>/<task>)."""
+    `work` (default: checkpoints/bank/<model>/<task>). The default model's greedy continuations
+    come from, and go to, the repository's answer store."""
+    from .answers import repo_store
+
     heads = rt.heads("hydra")
     work = Path(work) if work else ROOT / "checkpoints" / "bank" / rt.slug / task
     provenance = {
@@ -538,4 +544,4 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).bank[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
-                      rt.fingerprint, progress=progress, baseline=baseline)
+                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name))

@@ -73,7 +73,8 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     log = log or (lambda line: print(line, flush=True))
     from .data import eval_prompt_file
     from .loading import eos_ids
-    from .train import AnswerStore, build_corpus, head_accuracy
+    from .answers import AnswerStore
+    from .train import build_corpus, head_accuracy
 
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))

@@ -170,14 +170,20 @@ def decode_with(tree: Tree, trace: Trace) -> tuple[int, int]:
 
 def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
                done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
-               progress: Progress | None = None) -> list[Trace]:
-    """Greedy continuations (through the engine, a small tree for speed) and their traces; resumable."""
+               progress: Progress | None = None, answers=None) -> list[Trace]:
+    """Greedy continuations (from `answers`, an entmtp.answers.AnswerStore, or through the engine
+    with a small tree for speed, then stored) and their traces; resumable."""
     out = list(done or [])
     it = range(len(prompts))
     for i in (progress(it, "traces", len(prompts)) if progress else it):
         if i < len(out):
             continue  # resumed
-        out.append(record(engine, heads, prompts[i], greedy(engine, heads, prompts[i], new_tokens), depth).to_json())
+        cont = answers.get(prompts[i], new_tokens) if answers is not None else None
+        if cont is None:
+            cont = greedy(engine, heads, prompts[i], new_tokens)
+            if answers is not None:
+                answers.add("calib", "greedy", [prompts[i]], [cont], new_tokens)
+        out.append(record(engine, heads, prompts[i], cont, depth).to_json())
         if save:
             save(out)
     return [Trace.from_json(t) for t in out]

@@ -19,7 +19,6 @@ trainer's state every `checkpoint_every` steps; a rerun resumes where it stopped
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import math
@@ -34,11 +33,11 @@ import torch
 from tqdm import tqdm
 
 from . import data, kv
-from .config import ROOT, TrainConfig
+from .answers import AnswerStore
+from .config import TrainConfig
 from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
 
 Encode = Callable[[str], list[int]]
-ANSWERS_DIR = ROOT / "data" / "answers"  # the default model's stored greedy answers (AnswerStore)
 
 
 class TrainError(ValueError):
@@ -245,50 +244,6 @@ def build_corpus(
             )
             bar.set_postfix(tokens=corpus.n_tokens())
     return corpus
-
-
-class AnswerStore:
-    """The base model's greedy answers as token ids, by prompt, in one gzip JSONL file.
-
-    Generating answers is the dearest part of a corpus (an hour for ~1,500 answers on a 2-core
-    CPU); reading a stored answer back teacher-forced gives the same hidden states for a fraction
-    of that, so the answers are kept in the repository (`data/answers/<model>.jsonl.gz`) and a
-    corpus is rebuilt from them on any machine. A line is `{"key", "task", "source", "tokens"}`;
-    the key hashes the model's name, the prompt's token ids and the answer length cap. Each batch
-    appends one gzip member, so an interrupted run loses at most the batch in flight.
-    """
-
-    def __init__(self, path: Path | None, model: str):
-        self.path, self.model = path, model
-        self.answers: dict[str, list[int]] = {}
-        if path is not None and path.exists():
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                try:
-                    for line in f:
-                        if line.strip():
-                            row = json.loads(line)
-                            self.answers[row["key"]] = row["tokens"]
-                except (EOFError, json.JSONDecodeError):
-                    pass  # a member cut by an interruption: the answers before it stand
-
-    def key(self, prompt: list[int], answer_tokens: int) -> str:
-        text = f"{self.model}|{answer_tokens}|" + ",".join(map(str, prompt))
-        return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-    def get(self, prompt: list[int], answer_tokens: int) -> list[int] | None:
-        return self.answers.get(self.key(prompt, answer_tokens))
-
-    def add(self, task: str, source: str, prompts: list[list[int]], answers: list[list[int]], answer_tokens: int) -> None:
-        rows = []
-        for p, a in zip(prompts, answers):
-            k = self.key(p, answer_tokens)
-            if k not in self.answers:
-                self.answers[k] = a
-                rows.append(json.dumps({"key": k, "task": task, "source": source, "tokens": a}, separators=(",", ":")))
-        if rows and self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with gzip.open(self.path, "at", encoding="utf-8") as f:
-                f.write("\n".join(rows) + "\n")
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

@@ -13,7 +13,7 @@ from entmtp.engine import Engine, Strategy, collect
 from entmtp.evalheads import accepted_on, bootstrap_ci, continuations
 from entmtp.policy import StaticPolicy
 from entmtp.topology import compile_tree, load_named_trees
-from entmtp.train import AnswerStore
+from entmtp.answers import AnswerStore
 from conftest import random_heads, tiny_llama
 
 
@@ -49,3 +49,18 @@ def test_trace_acceptance_equals_a_real_decode_with_the_default_tree(tmp_path, k
         assert (t, s) == (real.new_tokens, len(real.steps))
         accepted.append(t / s)
     assert max(accepted) > 1.2, accepted  # drafts were accepted: the comparison covers more than the root
+
+
+def test_bank_traces_reuse_stored_continuations(tmp_path, monkeypatch):
+    """build-bank's traces read the greedy continuations from the answer store once they are there."""
+    from entmtp import traces as tr
+
+    model = tiny_llama(seed=5, vocab=12)
+    heads = random_heads(model, "hydra")
+    engine = Engine(model)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    store = AnswerStore(tmp_path / "a.jsonl.gz", "tiny")
+    first = tr.record_all(engine, heads, prompts, 30, 4, answers=store)
+    monkeypatch.setattr(tr, "greedy", lambda *a: pytest.fail("decoded although the continuation was stored"))
+    again = tr.record_all(engine, heads, prompts, 30, 4, answers=AnswerStore(tmp_path / "a.jsonl.gz", "tiny"))
+    assert [t.to_json() for t in again] == [t.to_json() for t in first]

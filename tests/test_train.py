@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from entmtp import data
+from entmtp.answers import AnswerStore
 from entmtp.bank import TopologyBank
 from entmtp.config import TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
 from entmtp.engine import Engine, Strategy, collect
@@ -18,7 +19,6 @@ from entmtp.policy import StaticPolicy
 from entmtp.topology import compile_tree, load_named_trees
 from entmtp.train import (
     Corpus,
-    AnswerStore,
     Flat,
     TrainError,
     _select,
@@ -226,7 +226,10 @@ def test_stored_answers_rebuild_the_corpus_without_generating(tiny, tmp_path, mo
         f.write(b"")
     with open(store_file, "ab") as f:
         f.write(gzip.compress(b'{"key": "x", "tokens": [1, 2')[:-8])
-    assert AnswerStore(store_file, "tiny").answers == store.answers
+    healed = AnswerStore(store_file, "tiny")  # the answers before the cut stand, and the file is whole again
+    assert healed.answers == store.answers
+    healed.add("chat", "self", [[1, 2, 3]], [[4, 5]], 6)
+    assert AnswerStore(store_file, "tiny").answers == {**store.answers, healed.key([1, 2, 3], 6): [4, 5]}
 
 
 def test_training_further_starts_from_the_given_heads_and_keeps_their_vocabulary(tiny, tmp_path):

@@ -73,14 +73,14 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     log = log or (lambda line: print(line, flush=True))
     from .data import eval_prompt_file
     from .loading import eos_ids
-    from .answers import AnswerStore
+    from .answers import AnswerStore, repo_store
     from .train import build_corpus, head_accuracy
 
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     end = min(eos) if eos else 0
     heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
-                           end, TrainConfig(), work, "calib", progress is not None)
+                           end, TrainConfig(), work, "calib", progress is not None, repo_store(rt.name))
     store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name)
     items = {task: [rt.encode(it["prompt"]) for it in eval_prompt_file(task, n)] for task, n in prompts_per_task.items()}
     conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}

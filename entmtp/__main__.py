@@ -30,24 +30,22 @@ class UsageError(ValueError):
     """A bad argument value found after parsing."""
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int, what: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if least == 1 else f'>= {least}'}, got {v}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def non_negative_float(text: str) -> float:

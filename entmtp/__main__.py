@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-tokens", type=positive_int, default=t.batch_tokens, help="anchors per step")
     tr.add_argument("--lr", type=non_negative_float, default=t.lr)
     tr.add_argument("--num-layers", type=positive_int, default=t.num_layers)
+    tr.add_argument("--arch", choices=["mlp", "prefix-mlp"], default=t.arch,
+                    help="Hydra heads: mlp, or prefix-mlp (Hydra++: a decoder layer over the base hidden states first)")
     tr.add_argument("--draft-vocab", type=positive_int, default=t.draft_vocab, help="K most frequent answer tokens")
     tr.add_argument("--hard-targets", action="store_true", help="train on the teacher's argmax, not its distribution")
     tr.add_argument("--self-prompts", type=task_counts, default=t.self_prompts, metavar="TASK=N,...",
@@ -276,10 +278,14 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch, init=args.init,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
     )
     kinds = _kinds(args.kind)
-    out = {k: Path(args.out) / k if args.out else default_heads_dir(args.model, k) for k in kinds}
+    if args.arch != "mlp" and kinds != ["hydra"]:
+        raise UsageError(f"--arch {args.arch} is a Hydra architecture: add --kind hydra")
+    # Hydra++ heads go beside the mlp ones (hydra-prefix/), never over them
+    sub = {k: "hydra-prefix" if args.arch == "prefix-mlp" else k for k in kinds}
+    out = {k: Path(args.out) / sub[k] if args.out else default_heads_dir(args.model, sub[k]) for k in kinds}
     rt = load_runtime(ModelConfig(model=args.model, device=args.device))  # float32 teacher
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))

@@ -131,7 +131,8 @@ class TrainConfig:
     # heads and training
     num_heads: int = 4
     num_layers: int = 2
-    arch: str = "mlp"  # mlp (prefix-mlp, Hydra++, is not trained here)
+    arch: str = "mlp"  # Hydra: mlp, or prefix-mlp (Hydra++: a decoder layer over the base hidden states first)
+    prefix_answers: int = 8  # prefix-mlp: whole answers whose sequences one step runs the prefix layer over
     steps: int = 1800
     batch_tokens: int = 512  # anchors per step (each trains every head)
     lr: float = 1e-3

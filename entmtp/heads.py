@@ -269,6 +269,9 @@ class HydraHeads(DraftHeads):
             if hasattr(cfg, "layer_types") and cfg.layer_types:
                 cfg.layer_types = cfg.layer_types[:1]
             self.prefix_embeding_layer = AutoModel.from_config(cfg)
+            # it reads the base hidden states (inputs_embeds), never token ids: its own embedding
+            # table (vocab x hidden, larger than the heads) is neither kept nor saved
+            self.prefix_embeding_layer.embed_tokens = None
 
     def own_lm_head(self, i: int) -> nn.Linear:
         head = self.hydra_lm_head[i]
@@ -472,6 +475,7 @@ def _load_hydra(d: Path, cfg: dict[str, Any], base_config: Any) -> HydraHeads:
     # Hydra++'s Llama code registered RoPE frequencies as a saved buffer; ours recomputes them
     rope_keys = [k for k in state if k.startswith("prefix_embeding_layer.") and k.endswith(".rotary_emb.inv_freq")]
     rope = {k: state.pop(k) for k in rope_keys}
+    state.pop("prefix_embeding_layer.embed_tokens.weight", None)  # unused: the layer reads hidden states
     if prefix != any(k.startswith("prefix_embeding_layer.") for k in state):
         raise HeadsError(
             f"{weights}: config.json says hydra_head_arch {arch!r} but the file "

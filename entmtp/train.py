@@ -56,9 +56,12 @@ class Corpus:
     prompts: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    # Hydra++ only: base hidden states of each prompt but its last token ((P-1, H)), which the
+    # prefix layer reads before hidden[0]; empty when no prefix heads are trained
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)
 
     def extend(self, other: "Corpus") -> None:
-        for name in ("hidden", "tokens", "prompts", "tasks", "sources"):
+        for name in ("hidden", "tokens", "prompts", "tasks", "sources", "prompt_hidden"):
             getattr(self, name).extend(getattr(other, name))
 
     def __len__(self) -> int:
@@ -136,6 +139,14 @@ def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.T
     h = _base(model)(input_ids=ids).last_hidden_state[0]  # (P+n, H)
     n = len(answer)
     return h[len(prompt) - 1 : len(prompt) - 1 + n].float().cpu().contiguous(), torch.tensor(answer)
+
+
+@torch.inference_mode()
+def prompt_states(model, prompt: list[int]) -> torch.Tensor:
+    """Base hidden states of a prompt's tokens but the last: (P-1, H) float32 (Hydra++'s prefix input)."""
+    device = _lm_head(model).weight.device
+    h = _base(model)(input_ids=torch.tensor([prompt], device=device)).last_hidden_state[0]
+    return h[: len(prompt) - 1].float().cpu().contiguous()
 
 
 def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
@@ -232,6 +243,9 @@ def build_corpus(
                     pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
                 part = {"prompts": texts, "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
                 _atomic_save(part, shard)
+            if cfg.arch == "prefix-mlp" and "prompt_hidden" not in part:  # added to older shards in place
+                part["prompt_hidden"] = [prompt_states(model, encode(p)) for p in part["prompts"]]
+                _atomic_save(part, shard)
             keep = [i for i, t in enumerate(part["tokens"]) if len(t) >= 2]
             corpus.extend(
                 Corpus(
@@ -240,6 +254,7 @@ def build_corpus(
                     [part["prompts"][i] for i in keep],
                     [task] * len(keep),
                     [source] * len(keep),
+                    [part["prompt_hidden"][i] for i in keep] if cfg.arch == "prefix-mlp" else [],
                 )
             )
             bar.set_postfix(tokens=corpus.n_tokens())
@@ -288,6 +303,7 @@ class Flat:
     tokens: torch.Tensor  # (N,)
     remaining: torch.Tensor  # (N,) positions left in the same answer after this one
     anchors: torch.Tensor  # (A,) flat positions t with t+1 inside the same answer
+    starts: torch.Tensor | None = None  # (n_answers + 1,) where each answer begins in the flat tensors
     teacher_idx: torch.Tensor | None = None  # (N, k) draft-vocab indices of the teacher's top-k
     teacher_p: torch.Tensor | None = None  # (N, k) their probabilities, renormalised
 
@@ -298,7 +314,8 @@ class Flat:
         hidden = torch.cat(corpus.hidden).float()
         tokens = torch.cat(corpus.tokens).long()
         remaining = torch.cat([torch.arange(len(t) - 1, -1, -1) for t in corpus.tokens])
-        return cls(hidden, tokens, remaining, (remaining >= 1).nonzero().flatten())
+        starts = torch.tensor([0] + [len(t) for t in corpus.tokens]).cumsum(0)
+        return cls(hidden, tokens, remaining, (remaining >= 1).nonzero().flatten(), starts)
 
     @torch.no_grad()
     def add_teacher(self, lm_rows: torch.Tensor, k: int, temperature: float = 1.0, chunk: int = 4096) -> None:
@@ -317,9 +334,11 @@ def new_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
     """Fresh heads for `model` (seeded by the caller); Hydra++'s prefix layer is not trained here."""
     mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if kind == "hydra":
-        if cfg.arch != "mlp":
-            raise TrainError(f"training arch {cfg.arch!r} is not implemented (only mlp)")
-        return HydraHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, "mlp", True, True, mcfg)
+        if cfg.arch not in ("mlp", "prefix-mlp"):
+            raise TrainError(f"unknown Hydra arch {cfg.arch!r} (expected mlp or prefix-mlp)")
+        return HydraHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, cfg.arch, True, True, mcfg)
+    if cfg.arch != "mlp":
+        raise TrainError(f"{kind} heads have no arch {cfg.arch!r} (only Hydra has prefix-mlp)")
     if kind == "medusa":
         return MedusaHeads(mcfg.hidden_size, mcfg.vocab_size, cfg.num_heads, cfg.num_layers, True)
     raise TrainError(f"unknown heads kind {kind!r} (expected hydra or medusa)")
@@ -329,12 +348,14 @@ def initial_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
     """The heads in `cfg.init/<kind>` (our format), bound to `model` in its dtype, to train further."""
     from .heads import HeadsError, load_heads
 
-    folder = Path(cfg.init) / kind
+    folder = Path(cfg.init) / ("hydra-prefix" if cfg.arch == "prefix-mlp" else kind)
     try:
         heads = load_heads(folder, model.config)
     except HeadsError as e:
         raise TrainError(f"--init: {e}") from None
-    if heads.kind != kind or heads.num_heads != cfg.num_heads or heads.num_layers != cfg.num_layers:
+    if heads.kind != kind or getattr(heads, "arch", "mlp") != cfg.arch:
+        raise TrainError(f"--init: {folder} holds {heads.kind} {getattr(heads, 'arch', 'mlp')} heads, not {kind} {cfg.arch}")
+    if heads.num_heads != cfg.num_heads or heads.num_layers != cfg.num_layers:
         raise TrainError(f"--init: {folder} holds {heads.kind} heads with {heads.num_heads} heads of {heads.num_layers} "
                          f"layers; training asks for {cfg.num_heads} of {cfg.num_layers}")
     if not heads.draft_vocab.numel():
@@ -342,13 +363,15 @@ def initial_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
     return heads.bind(model)
 
 
-def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool) -> tuple[torch.Tensor, list[float], list[float]]:
+def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool,
+                feature: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
     """Summed loss of all heads at anchors t (B,), and per head its loss and top-1 agreement.
 
-    Head i at anchor t reads hidden[t] and tokens[t..t+i]; its teacher is the base distribution
-    at t+1+i (top-k over the draft vocabulary, soft) or that distribution's argmax (hard).
+    Head i at anchor t reads the feature there (hidden[t], or Hydra++'s prefix output given as
+    `feature` (B, H)) and tokens[t..t+i]; its teacher is the base distribution at t+1+i (top-k
+    over the draft vocabulary, soft) or that distribution's argmax (hard).
     """
-    feature = flat.hidden[t]  # (B, H)
+    feature = flat.hidden[t] if feature is None else feature  # (B, H)
     total, losses, accs = feature.new_zeros(()), [], []
     for i in range(heads.num_heads):
         ok = flat.remaining[t] >= i + 1  # the target position t+1+i lies inside the answer
@@ -384,15 +407,21 @@ def train_heads(
     progress: bool = True,
     log: Callable[[dict], None] | None = None,
     until: int | None = None,
+    prompt_hidden: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Train bound `heads` (draft vocabulary set, `flat.add_teacher` done) for cfg.steps.
 
     Checkpoints to `ckpt` every cfg.checkpoint_every steps. The batch of step s depends only
     on (seed, s), so a resumed run continues exactly as an uninterrupted one. `until` stops
-    after that step, as an interruption would (the run resumes from there).
+    after that step, as an interruption would (the run resumes from there). Hydra++ heads
+    (`prefix-mlp`) also need the corpus' `prompt_hidden`: a step then runs the prefix layer over
+    `cfg.prefix_answers` whole sequences and trains at anchors drawn from their answers.
     """
     if flat.teacher_idx is None:
         raise TrainError("call Flat.add_teacher before training")
+    prefix = getattr(heads, "arch", "mlp") == "prefix-mlp"
+    if prefix and (prompt_hidden is None or len(prompt_hidden) != len(flat.starts) - 1):
+        raise TrainError("prefix-mlp heads need the prompts' hidden states of every answer (Corpus.prompt_hidden)")
     for base in heads._base.values():  # the base model stays frozen (and gets no gradients)
         base.requires_grad_(False)
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -412,10 +441,13 @@ def train_heads(
     for step in bar:
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        t = flat.anchors[torch.randint(len(flat.anchors), (cfg.batch_tokens,), generator=g)]
+        if prefix:
+            t, feature = _prefix_batch(heads, flat, prompt_hidden, cfg, g)
+        else:
+            t, feature = flat.anchors[torch.randint(len(flat.anchors), (cfg.batch_tokens,), generator=g)], None
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
-        loss, losses, accs = head_losses(heads, flat, t, cfg.soft_targets)
+        loss, losses, accs = head_losses(heads, flat, t, cfg.soft_targets, feature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -430,6 +462,39 @@ def train_heads(
             _atomic_save({**state, "step": step + 1, "seconds": seconds}, ckpt)
     heads.eval()
     return {"steps": stop, "seconds": round(seconds, 1), "last": last}
+
+
+def prefix_features(heads: DraftHeads, sequence: torch.Tensor) -> torch.Tensor:
+    """Hydra++: the prefix layer over a whole sequence's base hidden states (L, H) -> (L, H).
+
+    Equal, position by position, to what the engine's `PrefixContext.observe` gives.
+    """
+    layer = heads.prefix_embeding_layer
+    pos = torch.arange(sequence.shape[0], device=sequence.device)[None]
+    return layer(inputs_embeds=sequence[None], position_ids=pos, use_cache=False).last_hidden_state[0]
+
+
+def _answer_features(heads: DraftHeads, flat: Flat, prompt_hidden: list[torch.Tensor], a: int) -> torch.Tensor:
+    """Features at answer `a`'s positions (n, H): the prefix layer run over prompt and answer."""
+    s, e = int(flat.starts[a]), int(flat.starts[a + 1])
+    x = torch.cat([prompt_hidden[a], flat.hidden[s:e]]).to(next(heads.parameters()).dtype)
+    return prefix_features(heads, x)[len(prompt_hidden[a]) :]
+
+
+def _prefix_batch(heads: DraftHeads, flat: Flat, prompt_hidden: list[torch.Tensor], cfg: TrainConfig,
+                  g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors (B,) and their features (B, H) from `cfg.prefix_answers` answers drawn with `g`."""
+    ts, feats = [], []
+    for a in torch.randint(len(flat.starts) - 1, (cfg.prefix_answers,), generator=g).tolist():
+        s, e = int(flat.starts[a]), int(flat.starts[a + 1])
+        ok = flat.remaining[s:e] >= 1
+        ts.append(torch.arange(s, e)[ok])
+        feats.append(_answer_features(heads, flat, prompt_hidden, a)[ok])
+    t, feature = torch.cat(ts), torch.cat(feats)
+    if len(t) > cfg.batch_tokens:
+        keep = torch.randperm(len(t), generator=g)[: cfg.batch_tokens]
+        t, feature = t[keep], feature[keep]
+    return t, feature
 
 
 # --- held-out accuracy ---------------------------------------------------------------------------
@@ -448,9 +513,14 @@ def head_accuracy(heads: DraftHeads, corpus: Corpus, topk: tuple[int, ...] = (1,
     hits = [[0] * len(topk) for _ in range(heads.num_heads)]
     counts = [0] * heads.num_heads
     heads.eval()
+    features = flat.hidden
+    if getattr(heads, "arch", "mlp") == "prefix-mlp":
+        if len(corpus.prompt_hidden) != len(corpus):
+            raise TrainError("prefix-mlp heads need the held-out prompts' hidden states (build it with arch prefix-mlp)")
+        features = torch.cat([_answer_features(heads, flat, corpus.prompt_hidden, a).float() for a in range(len(corpus))])
     for s in range(0, len(flat.anchors), batch):
         t = flat.anchors[s : s + batch]
-        feature = flat.hidden[t].to(lm.weight.dtype)
+        feature = features[t].to(lm.weight.dtype)
         for i in range(heads.num_heads):
             ok = flat.remaining[t] >= i + 1
             ti = t[ok]
@@ -480,7 +550,8 @@ def _sample(corpus: Corpus, n: int, seed: int) -> Corpus:
     chosen = sorted(keep[int(j)] for j in torch.randperm(len(keep), generator=g)[:n])
     out = Corpus()
     for i in chosen:
-        out.extend(Corpus([corpus.hidden[i]], [corpus.tokens[i]], [corpus.prompts[i]], [corpus.tasks[i]], [corpus.sources[i]]))
+        out.extend(Corpus([corpus.hidden[i]], [corpus.tokens[i]], [corpus.prompts[i]], [corpus.tasks[i]], [corpus.sources[i]],
+                          corpus.prompt_hidden[i : i + 1]))
     return out
 
 
@@ -535,7 +606,8 @@ def train_and_save(
             vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
             heads.set_draft_vocab(vocab)
         flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
-        stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log)
+        stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log,
+                            prompt_hidden=corpus.prompt_hidden if kind == "hydra" else None)
         heads.to(torch.bfloat16).bind(model)  # measure what ships: bf16 weights, cast back on bind()
         acc = head_accuracy(heads, heldout)
         seen = head_accuracy(heads, _sample(corpus, len(heldout), cfg.seed))  # the same measure on training answers

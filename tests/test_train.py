@@ -28,6 +28,7 @@ from entmtp.train import (
     generate_batch,
     head_losses,
     new_heads,
+    prefix_features,
     train_and_save,
     train_heads,
 )
@@ -138,21 +139,24 @@ def test_built_corpus_holds_training_prompts_only(tiny, tmp_path):
         build_corpus(tiny, fake_encode, fake_encode, set(), 0, replace(cfg, answer_tokens=7), tmp_path, "train", progress=False)
 
 
-@pytest.mark.parametrize("kind", ["hydra", "medusa"])
-def test_saved_heads_reload_decode_like_ar_and_accept_what_they_learned(tiny, tmp_path, kind):
+@pytest.mark.parametrize("kind, arch", [("hydra", "mlp"), ("medusa", "mlp"), ("hydra", "prefix-mlp")])
+def test_saved_heads_reload_decode_like_ar_and_accept_what_they_learned(tiny, tmp_path, kind, arch):
     """Reloaded heads are lossless, and they carry their training: on the prompts whose greedy
     answers they were trained on, they accept clearly more tokens per step than the same heads
     before training and than random heads (which already accept some on the tiny model's
-    repetitive output)."""
+    repetitive output). Hydra++ (prefix-mlp) included: its prefix layer trains with the heads."""
     cfg = replace(CFG, self_prompts=(("chat", 4),), ref_prompts=(("code", 2),), heldout_prompts=1,
-                  answer_tokens=16, gen_batch=4)
+                  answer_tokens=16, gen_batch=4, arch=arch, prefix_answers=3)
     prov = train_and_save(tiny, fake_encode, fake_encode, set(), 0, cfg, [kind], {kind: tmp_path / kind}, tmp_path / "work",
                           provenance={"command": "test"}, progress=False)[kind]
     assert prov["command"] == "test" and prov["corpus"]["train"]["chat/self"]["answers"] == 4
     assert len(prov["heldout"]["per_head"]) == 4
     stored = load_file(str(tmp_path / kind / "heads.safetensors"))
     assert {v.dtype for k, v in stored.items() if k != "draft_vocab"} == {torch.bfloat16}
+    prefix_keys = {k for k in stored if k.startswith("prefix_embeding_layer.")}
+    assert bool(prefix_keys) == (arch == "prefix-mlp") and not any("embed_tokens" in k for k in prefix_keys)
     heads = load_heads(tmp_path / kind, tiny.config).bind(tiny)
+    assert getattr(heads, "arch", "mlp") == arch
     assert heads.draft_vocab.numel() == cfg.draft_vocab
     engine = Engine(tiny)
     ar = Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0))
@@ -251,3 +255,37 @@ def test_training_further_starts_from_the_given_heads_and_keeps_their_vocabulary
     with pytest.raises(TrainError, match="--init: .* 2 layers"):
         train_and_save(tiny, fake_encode, fake_encode, set(), 0, replace(again, num_layers=1), ["hydra"],
                        {"hydra": tmp_path / "third" / "hydra"}, tmp_path / "w3", progress=False)
+
+
+def test_prefix_features_equal_the_engines_incremental_prefix_layer(tiny):
+    """Training runs Hydra++'s prefix layer over a whole sequence at once; the engine feeds it the
+    accepted tokens' states step by step with a cache. Both give the same features."""
+    torch.manual_seed(3)
+    heads = new_heads("hydra", replace(CFG, arch="prefix-mlp"), tiny).bind(tiny)
+    seq = torch.randn(11, tiny.config.hidden_size)
+    whole = prefix_features(heads, seq)
+    ctx = heads.new_context()
+    steps = [ctx.observe(seq[a:b]) for a, b in ((0, 4), (4, 5), (5, 8), (8, 11))]
+    for (a, b), f in zip(((0, 4), (4, 5), (5, 8), (8, 11)), steps):
+        torch.testing.assert_close(f, whole[b - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_corpus_adds_the_prompts_states_to_existing_shards(tiny, tmp_path, monkeypatch):
+    """Hydra++ needs the prompt's base states: a corpus built for mlp heads gains them in place
+    (no answer generated again), and they are the states a forward over prompt + answer gives."""
+    from entmtp import train
+
+    cfg = replace(CFG, self_prompts=(("chat", 2),), ref_prompts=(("math", 1),), answer_tokens=6, gen_batch=2)
+    plain = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path, "train", progress=False)
+    assert plain.prompt_hidden == []
+    monkeypatch.setattr(train, "generate_batch", lambda *a: pytest.fail("generated again"))
+    monkeypatch.setattr(train, "teacher_forced", lambda *a: pytest.fail("read again"))
+    rich = build_corpus(tiny, fake_encode, fake_encode, set(), 0, replace(cfg, arch="prefix-mlp"), tmp_path, "train",
+                        progress=False)
+    assert len(rich.prompt_hidden) == len(rich) == 3
+    for p, ph, h, t in zip(rich.prompts, rich.prompt_hidden, rich.hidden, rich.tokens):
+        ids = fake_encode(p)
+        assert ph.shape == (len(ids) - 1, tiny.config.hidden_size)
+        full = tiny.model(input_ids=torch.tensor([ids + t.tolist()])).last_hidden_state[0].detach()
+        torch.testing.assert_close(ph, full[: len(ids) - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(h, full[len(ids) - 1 : len(ids) - 1 + len(t)], rtol=1e-4, atol=1e-4)

@@ -215,6 +215,29 @@ def _quantiles(values: list[float], n: int) -> list[float]:
     return sorted(round((v[k] + v[k + 1]) / 2, 7) for k in picks)
 
 
+def monotone_costs(trees: list[Tree], step_ms: list[float]) -> list[float]:
+    """Measured step costs made non-decreasing in tree size, where the bank's trees grow in nodes
+    and depth together (pool adjacent violators, a tie broken by depth): a bigger tree does more
+    work, so a cheaper median is timing noise that a fit would otherwise exploit. Other banks keep
+    their medians as measured."""
+    order = sorted(range(len(trees)), key=lambda i: (trees[i].n_nodes, trees[i].max_depth))
+    if any(trees[a].max_depth > trees[b].max_depth for a, b in zip(order, order[1:])):
+        return list(step_ms)
+    blocks: list[list] = []  # [sum, count, members]
+    for i in order:
+        blocks.append([step_ms[i], 1, [i]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n, members = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+            blocks[-1][2] += members
+    out = list(step_ms)
+    for total, n, members in blocks:
+        for i in members:
+            out[i] = total / n
+    return out
+
+
 def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefill_ms_per_token: float,
              grid: int = 12, baseline: tuple[Tree, float] | None = None, chain_ms: list[float] | None = None) -> dict[str, Any]:
     """Front, static, ladder and τ for one task from its traces and the measured step costs.
@@ -225,6 +248,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     `chain_ms[d]` is the cost of the heads' top-1 chain to depth d: a policy on the path value
     runs it through the bank's depth every step, so a shallower tree then costs the difference.
     """
+    measured, step_ms = list(step_ms), monotone_costs(trees, step_ms)
     all_trees = trees + ([baseline[0]] if baseline else [])
     costs = step_ms + ([baseline[1]] if baseline else [])
     tables = Tables(all_trees, traces)
@@ -242,7 +266,8 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
 
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
     per_tree = {t.name: {"mean_accepted": round(o.mean_accepted, 4), "step_ms": round(step_ms[i], 3),
-                         "tokens_per_s": round(o.tokens_per_s, 3)} for i, (t, o) in enumerate(zip(trees, static_runs))}
+                         "measured_ms": round(measured[i], 3), "tokens_per_s": round(o.tokens_per_s, 3)}
+                for i, (t, o) in enumerate(zip(trees, static_runs))}
     front = sorted(pareto([(step_ms[i], static_runs[i].mean_accepted) for i in range(len(trees))]), key=lambda i: trees[i].n_nodes)
     static = StaticPolicy(max(range(len(trees)), key=lambda i: static_runs[i].tokens_per_s))
     static_tps = static_runs[static.tree].tokens_per_s

@@ -145,6 +145,20 @@ def test_fit_switches_where_switching_pays():
     assert "tau" in flat["degenerate"] and "never switches" in flat["degenerate"]["tau"]
 
 
+def test_a_cheaper_median_for_a_bigger_tree_is_pooled_as_noise():
+    """Costs become non-decreasing in tree size (pool adjacent violators); the medians stay beside."""
+    trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [0, 0]], "n3-d2"),
+             compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
+    assert cal.monotone_costs(trees, [10.0, 14.0, 12.0, 20.0]) == [10.0, 13.0, 13.0, 20.0]
+    assert cal.monotone_costs(trees, [10.0, 11.0, 12.0, 13.0]) == [10.0, 11.0, 12.0, 13.0]
+    assert cal.monotone_costs(trees, [13.0, 12.0, 11.0, 10.0]) == [11.5] * 4
+    fit = cal.fit_task(trees, synthetic(2, 20), [10.0, 14.0, 12.0, 20.0], 0.0)
+    assert [fit["trees"][t.name]["step_ms"] for t in trees] == [10.0, 13.0, 13.0, 20.0]
+    assert [fit["trees"][t.name]["measured_ms"] for t in trees] == [10.0, 14.0, 12.0, 20.0]
+    wide = [compile_tree([], "n1-d0"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3"), compile_tree([[0], [1], [2], [3], [4]], "n6-d1")]
+    assert cal.monotone_costs(wide, [10.0, 30.0, 20.0]) == [10.0, 30.0, 20.0]  # depth falls as nodes grow: left as measured
+
+
 def test_fit_prices_each_tree_by_its_traces():
     trees = [compile_tree([], "n1-d0"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
     fit = cal.fit_task(trees, synthetic(2, 20), [10.0, 20.0], 1.0)

@@ -39,17 +39,11 @@ def bootstrap_ci(tokens: list[int], steps: list[int], reps: int = BOOTSTRAP, see
 
 def continuations(rt, heads, prompts: list[list[int]], new_tokens: int, store, progress: Callable | None = None) -> list[list[int]]:
     """The base model's greedy continuation of each prompt, from `store` or decoded (and stored)."""
-    from .traces import greedy
+    from .traces import stored_greedy
 
-    out = []
     it = range(len(prompts))
-    for i in (progress(it, "greedy continuations", len(prompts)) if progress else it):
-        known = store.get(prompts[i], new_tokens)
-        if known is None:
-            known = greedy(rt.engine, heads, prompts[i], new_tokens)
-            store.add("eval", "greedy", [prompts[i]], [known], new_tokens)
-        out.append(known)
-    return out
+    return [stored_greedy(rt.engine, heads, prompts[i], new_tokens, store, "eval")
+            for i in (progress(it, "greedy continuations", len(prompts)) if progress else it)]
 
 
 def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]]) -> tuple[list[int], list[int]]:

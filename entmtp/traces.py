@@ -158,6 +158,17 @@ def greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int) -> lis
     return list(collect(engine.generate(prompt, strategy, GenerationConfig(max_new_tokens=new_tokens))).token_ids)
 
 
+def stored_greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int, answers=None, task: str = "calib") -> list[int]:
+    """`greedy`, read from `answers` (an entmtp.answers.AnswerStore) when it holds the prompt, else
+    decoded and added to it."""
+    cont = answers.get(prompt, new_tokens) if answers is not None else None
+    if cont is None:
+        cont = greedy(engine, heads, prompt, new_tokens)
+        if answers is not None:
+            answers.add(task, "greedy", [prompt], [cont], new_tokens)
+    return cont
+
+
 def decode_with(tree: Tree, trace: Trace) -> tuple[int, int]:
     """(tokens, steps) of a decode with one static tree along `trace`."""
     have = set(tree.paths)
@@ -178,11 +189,7 @@ def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: 
     for i in (progress(it, "traces", len(prompts)) if progress else it):
         if i < len(out):
             continue  # resumed
-        cont = answers.get(prompts[i], new_tokens) if answers is not None else None
-        if cont is None:
-            cont = greedy(engine, heads, prompts[i], new_tokens)
-            if answers is not None:
-                answers.add("calib", "greedy", [prompts[i]], [cont], new_tokens)
+        cont = stored_greedy(engine, heads, prompts[i], new_tokens, answers)
         out.append(record(engine, heads, prompts[i], cont, depth).to_json())
         if save:
             save(out)

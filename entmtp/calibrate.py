@@ -560,6 +560,7 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "model": rt.name,
         "weights": getattr(rt, "weights", ""),
         "heads_sha256": heads.provenance.get("sha256", "unknown"),
+        "heads_numerics": heads.numerics,  # how the traces' heads computed (the engine drafts alike with the same kernels)
         "calibration": calibration,
         "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
         "command": command,

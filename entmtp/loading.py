@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import kernels
+from . import kernels, kv
 from .bank import BankError, TopologyBank, load_bank
 from .config import (
     BANKS_DIR,
@@ -265,9 +265,24 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         if loaded.kind != kind:
             raise LoadError(f"{path} holds {loaded.kind} heads, {kind} heads are needed")
         loaded.bind(model)
-        return loaded.pack() if kernels.is_packed(model) else loaded
+        return loaded.pack(_heads_sample(model, loaded)) if kernels.is_packed(model) else loaded
     except HeadsError as e:
         raise LoadError(f"heads {path}: {e}") from None
+
+
+@torch.inference_mode()
+def _heads_sample(model, heads: DraftHeads, n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `DraftHeads.pack` sets its int8 smoothing from: the heads' features over `n` tokens
+    drawn (seeded) from the draft vocabulary, and those tokens. Random tokens set the channel
+    ranges as well as real text did (the outlier channels are the model's)."""
+    from . import verify
+    from .traces import head_features
+
+    device = model.get_output_embeddings().weight.device
+    pool = heads.draft_vocab if heads.draft_vocab.numel() else torch.arange(heads.vocab_size, device=device)
+    ids = pool[torch.randint(0, len(pool), (n,), generator=torch.Generator().manual_seed(0)).to(pool.device)].to(device)
+    hidden, _ = verify.forward(model, kv.new_cache(model.config), ids[None], torch.arange(n, device=device)[None], None)
+    return head_features(heads, hidden), ids
 
 
 def bank_path(model_name: str, task: str, banks_dir: Path = BANKS_DIR) -> Path:

@@ -103,6 +103,53 @@ def test_packed_heads_draft_like_stock_heads():
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_tree_attention_equals_stock_sdpa(n):
+    """Grouped queries stacked over their key/value head == stock `repeat_kv` SDPA, on a tree mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(n)
+    past, dim = 37, 16
+    q = torch.randn(1, n, 6, dim).transpose(1, 2)  # as the model hands it over: (B, heads, Q, D), strided
+    k, v = torch.randn(1, 2, past + n, dim), torch.randn(1, 2, past + n, dim)
+    tree = torch.rand(n, n) < 0.5
+    tree = torch.tril(tree) | torch.eye(n, dtype=torch.bool)
+    mask = torch.zeros(n, past + n)
+    mask[:, past:][~tree] = torch.finfo(torch.float32).min
+    mask = mask[None, None]
+    got, _ = kernels.tree_sdpa(_Attn(), q, k, v, mask, scaling=dim**-0.5)
+    want, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=dim**-0.5)
+    assert got.shape == want.shape == (1, n, 6, dim)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with kernels.stock_kernels():  # the switch restores transformers' own code path exactly
+        assert torch.equal(kernels.tree_sdpa(_Attn(), q, k, v, mask, scaling=dim**-0.5)[0], want)
+
+
+def test_buffered_cache_layer_matches_dynamic_layer():
+    """Appends past the first capacity and crops agree with the stock layer (commits: test_engine)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from entmtp.kv import BufferedLayer
+
+    torch.manual_seed(0)
+    ours, stock = BufferedLayer(), DynamicLayer()
+    for n, drop in ((200, 0), (9, 7), (100, 0), (5, 3), (1, 0)):  # 200 + 9 + 100 > 256: grows once
+        k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        a, b = ours.update(k, v), stock.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        ours.crop(-drop)
+        stock.crop(-drop)
+        assert ours.get_seq_length() == stock.get_seq_length()
+    assert ours._k.shape[-2] == 512
+    torch.testing.assert_close(ours.keys, stock.keys, rtol=0, atol=0)
+    torch.testing.assert_close(ours.values, stock.values, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not kernels.int8_available("cpu"), reason="PyTorch without the fbgemm/x86 quantized engine")
 def test_int8_rows_do_not_depend_on_the_batch():
     """A row's result is the same alone and among others (what lets traces predict the engine's

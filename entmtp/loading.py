@@ -265,7 +265,10 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         if loaded.kind != kind:
             raise LoadError(f"{path} holds {loaded.kind} heads, {kind} heads are needed")
         loaded.bind(model)
-        return loaded.pack(_heads_sample(model, loaded)) if kernels.is_packed(model) else loaded
+        if not kernels.is_packed(model):
+            return loaded
+        device = model.get_output_embeddings().weight.device
+        return loaded.pack(_heads_sample(model, loaded) if kernels.int8_available(device) else None)
     except HeadsError as e:
         raise LoadError(f"heads {path}: {e}") from None
 

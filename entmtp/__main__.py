@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -66,8 +66,9 @@ def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
     p.add_argument("--model", default=d.model, help="default alias, hub id or local path (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--kernels", default=d.kernels, choices=["packed", "stock"],
-                   help="packed: oneDNN prepacked linears on CPU; stock: plain PyTorch (default: %(default)s)")
+    p.add_argument("--kernels", default=d.kernels, choices=list(KERNELS),
+                   help="CPU linears. packed: the GGUF's Q4_1/Q8_0 blocks for the default model, else oneDNN prepacked "
+                        "float32; onednn: prepacked float32 only; stock: plain PyTorch (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
     p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")

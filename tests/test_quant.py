@@ -1,0 +1,133 @@
+"""The GGUF block kernels (entmtp/quant.py): exact weights, float32 products, batch invariance,
+and the real default model served from its Q4_1/Q8_0 blocks, token for token."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from entmtp import kernels, quant
+from entmtp.config import GenerationConfig, ModelConfig
+from entmtp.engine import Strategy, collect
+from entmtp.bank import TopologyBank
+from entmtp.loading import default_gguf, load_model, load_runtime
+from entmtp.policy import StaticPolicy
+from entmtp.topology import compile_tree
+from conftest import ALL_THREADS
+
+needs_kernels = pytest.mark.skipif(quant.unavailable_reason() is not None, reason=f"GGUF kernels: {quant.unavailable_reason()}")
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """GGUF rows of random blocks, as a file stores them (uint8 [rows, bytes])."""
+    rng = np.random.default_rng(seed)
+    blocks = cols // 32
+    d = (rng.random((rows, blocks, 1)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8)
+    if kind == "q4_1":
+        m = (-rng.random((rows, blocks, 1)) * 0.1).astype(np.float16).view(np.uint8)
+        q = rng.integers(0, 256, (rows, blocks, 16), dtype=np.uint8)
+        return np.concatenate([d, m, q], -1).reshape(rows, -1)
+    q = rng.integers(-127, 128, (rows, blocks, 32)).astype(np.int8).view(np.uint8)
+    return np.concatenate([d, q], -1).reshape(rows, -1)
+
+
+def gguf_type(kind: str):
+    return GGMLQuantizationType.Q4_1 if kind == "q4_1" else GGMLQuantizationType.Q8_0
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_blocks_dequantise_as_gguf_py_and_kernel_matches_float32(kind):
+    raw = random_blocks(kind, 72, 576)
+    ref = torch.from_numpy(dequantize(raw, gguf_type(kind)).astype(np.float32))
+    qs, d, m = quant._split_blocks(raw, kind)
+    assert torch.equal(quant._dequantize(qs, d, m), ref)  # the exactness check `attach` relies on
+    layer = quant.GGUFLinear(torch.nn.Parameter(ref, requires_grad=False), kind, qs, d, m)
+    # one-hot rows read the weights back: the kernel's float32 weights are gguf-py's, bit for bit
+    assert torch.equal(layer(torch.eye(576)), ref.T)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, stock = layer(x), F.linear(x, ref)
+        with kernels.stock_kernels():
+            assert torch.equal(layer(x), stock)  # the `hf` baselines' path
+    exact = (x.double() @ ref.double().T)
+    assert (got.double() - exact).abs().max() <= 4 * (stock.double() - exact).abs().max() + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_rows_result_never_depends_on_its_batch(kind):
+    """What makes tree verification compute exactly what single-token steps compute."""
+    raw = random_blocks(kind, 37, 1536, seed=2)  # an odd row count: the kernels' last panel is partial
+    qs, d, m = quant._split_blocks(raw, kind)
+    w = torch.nn.Parameter(quant._dequantize(qs, d, m), requires_grad=False)
+    layer = quant.GGUFLinear(w, kind, qs, d, m)
+    x = torch.randn(25, 1536, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        for n in (1, 2, 3, 4, 5, 7, 9, 16, 17, 25):
+            assert torch.equal(layer(x[:n]), alone[:n]), n
+        torch.set_num_threads(ALL_THREADS)  # and whatever threads compute it
+        try:
+            assert torch.equal(layer(x), alone)
+        finally:
+            torch.set_num_threads(1)
+
+
+def test_header_reader_agrees_with_gguf_py():
+    path = default_gguf()
+    ours = quant.read_blocks(path)
+    theirs = {t.name: t for t in GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")}
+    assert set(ours) == set(theirs) and len(ours) == 211
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight"):
+        kind, blocks = ours[name]
+        assert kind == theirs[name].tensor_type.name.lower()
+        assert np.array_equal(blocks, np.asarray(theirs[name].data))
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(quant.ENV, "0")
+    assert quant.unavailable_reason() == f"{quant.ENV}=0"
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.set_num_threads(ALL_THREADS)
+    rt = load_runtime(ModelConfig())
+    yield rt
+    torch.set_num_threads(1)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_default_model_is_served_from_its_blocks(served):
+    layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear)]
+    assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
+    assert served.model.get_output_embeddings() in layers
+    assert kernels.label(served.model) == "gguf-blocks" and served.fingerprint["kernels"] == "gguf-blocks"
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_served_model_equals_its_own_generate(served):
+    """`generate` on the served module (GGUF kernels, not stock) is the oracle: plain decoding
+    and a tree of 9 nodes give its tokens exactly."""
+    gen = GenerationConfig(max_new_tokens=48)
+    heads = served.heads("hydra")
+    tree = compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1], [0, 0, 0, 0], [2]], "t9")
+    strategy = Strategy("t9", TopologyBank.of(tree), StaticPolicy(0), heads)
+    for prompt in ("Write a Python function that reverses a linked list.", "What is 17 * 23? Think step by step."):
+        ids = served.encode(prompt)
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            ref = served.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=48)[0, len(ids):].tolist()
+        assert collect(served.run("ar", "chat", ids, gen)).token_ids == ref
+        assert collect(served.engine.generate(ids, strategy, gen)).token_ids == ref
+
+
+@pytest.mark.slow
+def test_onednn_kernels_stay_selectable():
+    model, _ = load_model(ModelConfig(kernels="onednn"))
+    assert not quant.is_attached(model) and kernels.label(model) == "packed"

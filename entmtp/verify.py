@@ -6,12 +6,17 @@ import math
 
 import torch
 
-from . import kv
+from . import decoder, kv
 from .topology import Tree
 
 
 def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
-    """One base-model forward. input_ids (1, Q) -> final normed hidden (Q, H), logits (Q, V)."""
+    """One base-model forward. input_ids (1, Q) -> final normed hidden (Q, H), logits (Q, V).
+    Llama models on a CPU take `decoder.forward` (the same arithmetic, bit for bit, with less
+    overhead); everything else runs transformers' forward."""
+    lean = decoder.forward(model, cache, input_ids, position_ids, mask)
+    if lean is not None:
+        return lean
     base = model.base_model
     out = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kv.cache_arg(base, cache))
     hidden = out.last_hidden_state[0]

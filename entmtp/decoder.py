@@ -1,0 +1,151 @@
+"""The engine's forward for Llama-architecture models on a CPU: transformers' operations, in
+transformers' order, without the per-call machinery around them.
+
+A decode step of SmolLM2-135M runs 30 layers of small tensors; with the linears computed from the
+GGUF blocks (`quant.py`, ~16 ms a step on the 2-core AMD EPYC) most of the rest of the step was
+transformers' Python around the arithmetic: module calls, keyword plumbing, mask preparation,
+cache dispatch. `forward` runs the same arithmetic directly: the embedding, RMSNorm as
+`LlamaRMSNorm` computes it, rotary embeddings from the model's own `rotary_emb`, the attention
+function the model is registered with (`kernels.tree_sdpa`), the MLP, the final norm. Where the
+linears are `GGUFLinear`s, q/k/v and gate/up are each one call on the concatenated blocks: the
+kernel sums every output element in the same order whatever rows share a call, so this changes
+no bit. The hidden states equal transformers' forward bit for bit (`tests/test_decoder.py`), so
+`generate` on the same module stays the oracle.
+
+It applies to plain Llama layers (`LlamaForCausalLM`, default RoPE, no biases, SiLU) with the
+engine's buffered cache, and to the masks the engine uses: none for one new token or a prompt
+on an empty cache (causal), or a tree's 4-D block mask. Anything else, and anything under
+`kernels.stock_kernels()`, goes through transformers. `ENTMTP_LEAN=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels, kv
+from .quant import GGUFLinear
+
+ENV = "ENTMTP_LEAN"
+
+
+class _Fused(nn.Module):
+    """Several bias-free `GGUFLinear`s of one kind over the same input, as one kernel call."""
+
+    def __init__(self, layers: list[GGUFLinear]):
+        super().__init__()
+        self.sizes = [layer.out_features for layer in layers]
+        cat = lambda name: torch.cat([getattr(layer, name) for layer in layers]).contiguous()
+        weight = nn.Parameter(torch.empty(0), requires_grad=False)  # unused: the parts keep theirs
+        self.layer = GGUFLinear.__new__(GGUFLinear)
+        nn.Module.__init__(self.layer)
+        self.layer.out_features, self.layer.in_features = sum(self.sizes), layers[0].in_features
+        self.layer.weight, self.layer.bias, self.layer.kind = weight, None, layers[0].kind
+        self.layer.register_buffer("qs", cat("qs"), persistent=False)
+        self.layer.register_buffer("d", cat("d"), persistent=False)
+        self.layer.register_buffer("m", None if layers[0].m is None else cat("m"), persistent=False)
+        self.layer._ext = layers[0]._ext
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.layer(x).split(self.sizes, dim=-1))
+
+
+def _fusable(layers: list[nn.Module]) -> bool:
+    return all(isinstance(layer, GGUFLinear) and layer.kind == layers[0].kind for layer in layers)
+
+
+class Plan:
+    """What `forward` needs of one model, prepared once: per layer its norms, projections (fused
+    where the kernels allow) and attention settings."""
+
+    def __init__(self, model: nn.Module):
+        base = model.model
+        self.base, self.head = base, model.get_output_embeddings()
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            gate_up = [mlp.gate_proj, mlp.up_proj]
+            self.layers.append((
+                layer, attn,
+                _Fused(qkv) if _fusable(qkv) else None,
+                _Fused(gate_up) if _fusable(gate_up) else None,
+            ))
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether `forward` computes exactly what transformers' forward does for this model."""
+    if os.environ.get(ENV, "").strip() in ("0", "false", "off", "no"):
+        return False
+    cfg = model.config
+    if type(model).__name__ != "LlamaForCausalLM" or not hasattr(model, "model"):
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return False
+    if getattr(cfg, "hidden_act", "") != "silu" or getattr(cfg, "_attn_implementation", None) != kernels.ATTENTION:
+        return False
+    return model.get_output_embeddings().weight.device.type == "cpu"
+
+
+def plan(model: nn.Module) -> Plan | None:
+    """The model's prepared plan (made on first use, kept on the model), or None if unsupported."""
+    cached = model.__dict__.get("_entmtp_plan")
+    if cached is None:
+        cached = Plan(model) if supported(model) else False
+        model.__dict__["_entmtp_plan"] = cached
+    return cached or None
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`, operation for operation."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+    """One forward as `verify.forward` makes it: (1, Q) ids -> final normed hidden (Q, H), logits
+    (Q, V); or None when this path does not apply (the caller then runs transformers)."""
+    p = plan(model)
+    if p is None or kernels.stock() or torch.is_grad_enabled():
+        return None
+    layers = getattr(cache, "layers", None)
+    if not layers or len(layers) != len(p.layers) or not all(type(c) is kv.BufferedLayer for c in layers):
+        return None
+    q_len = input_ids.shape[1]
+    past = layers[0].get_seq_length()
+    if mask is None and q_len > 1 and past > 0:  # transformers would build a mask here: leave it to them
+        return None
+    base = p.base
+    x = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(x, position_ids=position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    shape = (1, q_len, -1, p.layers[0][1].head_dim)
+    for (layer, attn, qkv, gate_up), c in zip(p.layers, layers):
+        residual = x
+        h = _rms(layer.input_layernorm, x)
+        q, k, v = qkv(h) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        k, v = c.update(k, v)
+        out, _ = kernels.tree_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+        x = residual + attn.o_proj(out.reshape(1, q_len, -1).contiguous())
+        residual = x
+        h = _rms(layer.post_attention_layernorm, x)
+        mlp = layer.mlp
+        g, u = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
+        x = residual + mlp.down_proj(F.silu(g) * u)
+    hidden = _rms(base.norm, x)[0]
+    return hidden, p.head(hidden)

@@ -191,14 +191,18 @@ def is_packed(module: nn.Module) -> bool:
 
 
 def label(model: nn.Module) -> str:
-    """The base model's linear kernels in a word, as fits and benchmarks record them: "gguf-blocks"
-    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock"."""
+    """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-blocks"
+    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock", plus "+lean" where the engine runs
+    the model through `decoder.forward`."""
+    from . import decoder
     from .quant import GGUFLinear
 
     mods = list(model.modules())
     if any(isinstance(m, GGUFLinear) for m in mods):
-        return "gguf-blocks"
-    return "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
+        name = "gguf-blocks"
+    else:
+        name = "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
+    return name + ("+lean" if decoder.plan(model) is not None else "")
 
 
 # --- attention over a tree block --------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear)]
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
     assert served.model.get_output_embeddings() in layers
-    assert kernels.label(served.model) == "gguf-blocks" and served.fingerprint["kernels"] == "gguf-blocks"
+    assert kernels.label(served.model) == "gguf-blocks+lean" and served.fingerprint["kernels"] == "gguf-blocks+lean"
 
 
 @needs_kernels
@@ -130,4 +130,4 @@ def test_served_model_equals_its_own_generate(served):
 @pytest.mark.slow
 def test_onednn_kernels_stay_selectable():
     model, _ = load_model(ModelConfig(kernels="onednn"))
-    assert not quant.is_attached(model) and kernels.label(model) == "packed"
+    assert not quant.is_attached(model) and kernels.label(model) == "packed+lean"

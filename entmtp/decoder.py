@@ -33,21 +33,12 @@ ENV = "ENTMTP_LEAN"
 
 
 class _Fused(nn.Module):
-    """Several bias-free `GGUFLinear`s of one kind over the same input, as one kernel call."""
+    """Several `GGUFLinear`s of one kind over the same input, as one kernel call (`GGUFLinear.concat`)."""
 
     def __init__(self, layers: list[GGUFLinear]):
         super().__init__()
         self.sizes = [layer.out_features for layer in layers]
-        cat = lambda name: torch.cat([getattr(layer, name) for layer in layers]).contiguous()
-        weight = nn.Parameter(torch.empty(0), requires_grad=False)  # unused: the parts keep theirs
-        self.layer = GGUFLinear.__new__(GGUFLinear)
-        nn.Module.__init__(self.layer)
-        self.layer.out_features, self.layer.in_features = sum(self.sizes), layers[0].in_features
-        self.layer.weight, self.layer.bias, self.layer.kind = weight, None, layers[0].kind
-        self.layer.register_buffer("qs", cat("qs"), persistent=False)
-        self.layer.register_buffer("d", cat("d"), persistent=False)
-        self.layer.register_buffer("m", None if layers[0].m is None else cat("m"), persistent=False)
-        self.layer._ext = layers[0]._ext
+        self.layer = GGUFLinear.concat(layers)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self.layer(x).split(self.sizes, dim=-1))

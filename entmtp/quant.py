@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ def extension():
     with _lock:
         if "ext" in _state:
             return _state["ext"]
-        _state["ext"], _state["build_s"] = None, 0.0
+        _state["ext"] = None
         reason = unavailable_reason()
         if reason is None:
             from torch.utils import cpp_extension
@@ -86,14 +85,11 @@ def extension():
                 built = False
             if not built:
                 print("entmtp: building the GGUF block kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
             try:
                 _state["ext"] = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # a compiler error, a missing header: oneDNN serves instead
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 reason = f"building them failed: {last}"
-            if not built:
-                _state["build_s"] = round(time.perf_counter() - t0, 1)
         _state["error"] = reason
         return _state["ext"]
 
@@ -103,10 +99,10 @@ class GGUFLinear(nn.Module):
     kernels; it shares the float32 Parameter it replaces, which `kernels.stock_kernels()` (the
     `hf` baselines) and training use."""
 
-    def __init__(self, weight: nn.Parameter, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
+    def __init__(self, weight: nn.Parameter | None, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight
+        self.out_features, self.in_features = d.shape[0], d.shape[1] * _BLOCK
+        self.weight = weight  # None for `concat`: only the engine's own forward calls those
         self.bias = None
         self.kind = kind
         self.register_buffer("qs", qs, persistent=False)
@@ -120,6 +116,13 @@ class GGUFLinear(nn.Module):
         if self.kind == "q4_1":
             return self._ext.q4_1_linear(x, self.qs, self.d, self.m)
         return self._ext.q8_0_linear(x, self.qs, self.d)
+
+    @classmethod
+    def concat(cls, layers: list["GGUFLinear"]) -> "GGUFLinear":
+        """One layer for several of one kind over the same input, their outputs side by side. The
+        kernels sum each output alone, so its outputs are the parts' outputs bit for bit."""
+        cat = lambda name: torch.cat([getattr(layer, name) for layer in layers]).contiguous()
+        return cls(None, layers[0].kind, cat("qs"), cat("d"), None if layers[0].m is None else cat("m"))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {self.kind} blocks"
@@ -230,10 +233,10 @@ def read_blocks(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
 def attach(model: nn.Module, gguf_path: str | Path) -> dict[str, Any]:
     """Replace each linear layer of `model` whose float32 weight is exactly what a Q4_1 or Q8_0
     tensor of `gguf_path` dequantises to by a `GGUFLinear` on those blocks. Returns
-    {"layers": how many, "skipped": [names], "error": why none, or None, "build_s": seconds}."""
+    {"layers": how many, "skipped": [names], "error": why none, or None}."""
     ext = extension()
     if ext is None:
-        return {"layers": 0, "skipped": [], "error": _state["error"], "build_s": _state.get("build_s", 0.0)}
+        return {"layers": 0, "skipped": [], "error": _state["error"]}
     modules = dict(model.named_modules())
     tied = model.get_output_embeddings()
     count, skipped = 0, []
@@ -246,21 +249,21 @@ def attach(model: nn.Module, gguf_path: str | Path) -> dict[str, Any]:
         layer = modules.get(name) if name else None
         weight = getattr(layer, "weight", None)
         if (layer is None or getattr(layer, "bias", None) is not None or not isinstance(weight, torch.Tensor)
-                or weight.dim() != 2 or weight.shape[1] > MAX_IN):
+                or weight.dim() != 2 or weight.shape[1] > MAX_IN or weight.dtype != torch.float32 or weight.device.type != "cpu"):
             skipped.append(tname)
             continue
         qs, d, m = _split_blocks(blocks, kind)
-        values, weight = _dequantize(qs, d, m), layer.weight.detach()
+        values, weight = _dequantize(qs, d, m), weight.detach()
         order = next((o for o in _row_orders(weight.shape[0], model.config)
                       if values.shape == weight.shape and torch.equal(values[o], weight)), None)
-        if order is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if order is None:
             skipped.append(tname)
             continue
         new = GGUFLinear(layer.weight, kind, qs[order].contiguous(), d[order].contiguous(), None if m is None else m[order].contiguous())
         parent, _, attr = name.rpartition(".")
         setattr(modules[parent] if parent else model, attr, new)
         count += 1
-    return {"layers": count, "skipped": skipped, "error": None, "build_s": _state.get("build_s", 0.0)}
+    return {"layers": count, "skipped": skipped, "error": None}
 
 
 def is_attached(model: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-// Linear layers that read GGUF's Q4_1 and Q8_0 blocks directly (AVX2 + FMA + F16C, float32 arithmetic).
+// Linear layers that read GGUF's Q4_1 and Q8_0 blocks directly (AVX2 + FMA, float32 arithmetic).
 //
 // A weight row is dequantised into a float32 buffer (w = d * q + m for Q4_1, w = d * q for Q8_0;
 // the multiply and the add rounded separately, as gguf-py's numpy dequantisation computes them, so

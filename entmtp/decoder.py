@@ -44,6 +44,51 @@ class _Fused(nn.Module):
         return list(self.layer(x).split(self.sizes, dim=-1))
 
 
+class FusedRMSNorm(nn.Module):
+    """A model's RMSNorm computed by the GGUF extension's `rms_norm` (one row at a time, a fixed
+    order); under `kernels.stock_kernels()`, with gradients, or off float32, the original's own
+    arithmetic. It shares the original's weight."""
+
+    def __init__(self, norm: nn.Module, ext):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.__dict__["_stock"], self.__dict__["_ext"] = norm, ext  # not submodules: no second copy in state_dict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return self._stock(x)
+        return self._ext.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class FusedMLP(nn.Module):
+    """LlamaMLP with gate and up as one GGUF kernel call and the extension's `silu_mul`; the
+    original (kept for `kernels.stock_kernels()` and gradients) shares its projections."""
+
+    def __init__(self, mlp: nn.Module, ext):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_up = _Fused([mlp.gate_proj, mlp.up_proj])
+        self.__dict__["_stock"], self.__dict__["_ext"] = mlp, ext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return self._stock(x)
+        g, u = self.gate_up(x)
+        return self.down_proj(self._ext.silu_mul(g, u))
+
+
+def _attention(ext):
+    """The attention `kernels.tree_sdpa` hands a fused model's queries to: the extension's, which
+    takes each query and head alone over the keys it may see (masks as bool, or none: causal)."""
+
+    def attend(query, key, value, mask, scaling):
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask == 0  # an additive mask of 0 (seen) and the dtype's minimum (hidden)
+        return ext.attention(query, key, value, mask, float(scaling))
+
+    return attend
+
+
 def _fusable(layers: list[nn.Module]) -> bool:
     return all(isinstance(layer, GGUFLinear) and layer.kind == layers[0].kind for layer in layers)
 
@@ -65,6 +110,49 @@ class Plan:
                 _Fused(qkv) if _fusable(qkv) else None,
                 _Fused(gate_up) if _fusable(gate_up) else None,
             ))
+
+
+def fuse(model: nn.Module) -> bool:
+    """For a Llama model served from GGUF blocks (every projection Q4_1, the LM head Q8_0): swap its
+    RMSNorms and MLPs for the extension's and route its attention there, so that transformers'
+    forward, which `generate` runs, computes what the engine's `Stack` computes, bit for bit; and
+    prepare that `Stack`. True if done."""
+    from .quant import extension
+
+    ext = extension()
+    if ext is None or not supported(model) or model.__dict__.get("_entmtp_stack") is not None:
+        return False
+    base = model.model
+    linears = [getattr(layer.self_attn, n) for layer in base.layers for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(layer.mlp, n) for layer in base.layers for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, GGUFLinear) and m.kind == "q4_1" for m in linears):
+        return False
+    if not isinstance(model.get_output_embeddings(), GGUFLinear) or len({layer.self_attn.head_dim for layer in base.layers}) != 1:
+        return False
+    weights = []
+    for layer in base.layers:
+        layer.mlp = FusedMLP(layer.mlp, ext)
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = GGUFLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj]), mlp.gate_up.layer
+        weights += [layer.input_layernorm.weight.detach(), qkv.qs, qkv.d, qkv.m, attn.o_proj.qs, attn.o_proj.d, attn.o_proj.m,
+                    layer.post_attention_layernorm.weight.detach(), gate_up.qs, gate_up.d, gate_up.m,
+                    mlp.down_proj.qs, mlp.down_proj.d, mlp.down_proj.m]
+    cfg, attn0 = model.config, base.layers[0].self_attn
+    eps = base.layers[0].input_layernorm.variance_epsilon
+    stack = ext.Stack(weights, cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim, float(eps), float(attn0.scaling))
+    attend = _attention(ext)
+    for layer in base.layers:
+        layer.input_layernorm = FusedRMSNorm(layer.input_layernorm, ext)
+        layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm, ext)
+        layer.self_attn.__dict__["_entmtp_attention"] = attend
+    base.norm = FusedRMSNorm(base.norm, ext)
+    model.__dict__["_entmtp_stack"] = stack
+    model.__dict__.pop("_entmtp_plan", None)
+    return True
+
+
+def fused(model: nn.Module) -> bool:
+    return model.__dict__.get("_entmtp_stack") is not None
 
 
 def supported(model: nn.Module) -> bool:
@@ -121,6 +209,11 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
     base = p.base
     x = base.embed_tokens(input_ids)
     cos, sin = base.rotary_emb(x, position_ids=position_ids)
+    stack = model.__dict__.get("_entmtp_stack")
+    if stack is not None:  # a fused model: the whole stack in one call, or transformers (whose modules are the same)
+        if mask is not None and not bool((mask[0, 0, :, :past] == 0).all()):  # the stack lets every node see the cache
+            return None
+        return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     shape = (1, q_len, -1, p.layers[0][1].head_dim)
     for (layer, attn, qkv, gate_up), c in zip(p.layers, layers):
@@ -140,3 +233,19 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
         x = residual + mlp.down_proj(F.silu(g) * u)
     hidden = _rms(base.norm, x)[0]
     return hidden, p.head(hidden)
+
+
+def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask):
+    """The fused model's layers in one extension call, writing the cache in place."""
+    attn = model.model.layers[0].self_attn
+    kv_heads, dim = model.config.num_key_value_heads, attn.head_dim
+    q_len = x.shape[0]
+    buffers = [c.make_room(q_len, kv_heads, dim, x.dtype, x.device) for c in layers]
+    block = None
+    if mask is not None:
+        block = mask[0, 0, :, past:] == 0  # the tree block: 0 where a node sees a node, min elsewhere
+    out = stack.forward(x.contiguous(), cos.contiguous(), sin.contiguous(), [b[0] for b in buffers], [b[1] for b in buffers], past, block)
+    for c in layers:
+        c.advance(q_len)
+    hidden = model.model.norm(out)
+    return hidden, model.get_output_embeddings()(hidden)

@@ -192,8 +192,8 @@ def is_packed(module: nn.Module) -> bool:
 
 def label(model: nn.Module) -> str:
     """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-blocks"
-    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock", plus "+lean" where the engine runs
-    the model through `decoder.forward`."""
+    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock", plus "+fused" where the GGUF extension runs the
+    whole layer (`decoder.fuse`), else "+lean" where the engine runs the model through `decoder.forward`."""
     from . import decoder
     from .quant import GGUFLinear
 
@@ -202,6 +202,8 @@ def label(model: nn.Module) -> str:
         name = "gguf-blocks"
     else:
         name = "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
+    if decoder.fused(model):
+        return name + "+fused"
     return name + ("+lean" if decoder.plan(model) is not None else "")
 
 
@@ -219,6 +221,11 @@ def tree_sdpa(module: nn.Module, query, key, value, attention_mask, dropout: flo
     agree with stock to ~1e-7 (measured here at 300 cached tokens: bit-identical for blocks of 5, 9
     and 30 queries, 2.7e-7 apart for 2)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fused = getattr(module, "_entmtp_attention", None)  # a model served by the GGUF extension (decoder.fuse)
+    if (fused is not None and not stock() and not dropout and kwargs.get("position_bias") is None and query.dtype == torch.float32
+            and not torch.is_grad_enabled() and (attention_mask is None or attention_mask.dim() == 4)):
+        return fused(query, key, value, attention_mask, module.scaling if scaling is None else scaling), None
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape

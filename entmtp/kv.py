@@ -49,6 +49,21 @@ class BufferedLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
+    def make_room(self, n: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers [1, kv_heads, capacity, dim], grown to hold n more entries, for
+        a kernel that writes them in place (then `advance(n)`)."""
+        if not self.is_initialized:
+            empty = torch.empty(1, kv_heads, 0, dim, dtype=dtype, device=device)
+            self.lazy_initialization(empty, empty)
+        if self._k is None or self.length + n > self._k.shape[-2]:
+            empty = torch.empty(1, kv_heads, 0, dim, dtype=dtype, device=device)
+            self._reserve(empty, empty, self.length + n)
+        return self._k, self._v
+
+    def advance(self, n: int) -> None:
+        self.length += n
+        self._views()
+
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import kernels, kv, quant
+from . import decoder, kernels, kv, quant
 from .bank import BankError, TopologyBank, load_bank
 from .config import (
     BANKS_DIR,
@@ -235,6 +235,8 @@ def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None)
     if cfg.kernels in ("packed", "onednn"):
         kernels.pack_linears(model)  # the remaining float32 linears; CPU only, a no-op on GPUs
         kernels.use_tree_attention(model)  # grouped-query tree blocks without copying key/value heads
+        if quant.is_attached(model):
+            decoder.fuse(model)  # norms, MLP and attention from the extension too, in transformers' forward and the engine's
     return model.eval(), tok
 
 

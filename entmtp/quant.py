@@ -39,7 +39,7 @@ from torch import nn
 from . import kernels
 
 ENV = "ENTMTP_GGUF_KERNELS"
-SOURCE = Path(__file__).parent / "csrc" / "gguf_linear.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp", "layers.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # no contraction: d * q + m as numpy rounds it
 _BLOCK = 32
 _lock = threading.Lock()
@@ -64,7 +64,7 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
 
 
 NAME = "entmtp_gguf_linear"
-MAX_IN = 2048  # the kernels' per-thread buffer holds 4 weight rows of at most this many inputs
+MAX_IN = 2048  # the kernels' per-thread buffer holds 8 weight rows of at most this many inputs
 
 
 def extension():
@@ -86,7 +86,7 @@ def extension():
             if not built:
                 print("entmtp: building the GGUF block kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
             try:
-                _state["ext"] = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                _state["ext"] = cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # a compiler error, a missing header: oneDNN serves instead
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 reason = f"building them failed: {last}"

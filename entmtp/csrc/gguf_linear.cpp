@@ -6,6 +6,8 @@
 // then dotted with every input row. Each output element is summed in the same order whatever the
 // number of input rows and whichever thread computes it, so a row's result never depends on the
 // batch it is in: a tree verification of N tokens computes what N single-token steps would.
+#include "gguf_linear.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -67,9 +69,11 @@ inline void tile(const float* w, const float* x, int64_t K, float* y, int64_t N)
     for (int c = 0; c < C; ++c) y[r * N + c] = hsum(acc[r][c]);
 }
 
+// R input rows against C weight rows at a time: R * C accumulators in flight hide the FMA latency
+// (one 8-lane accumulator per output, so the tile shape never changes a result).
 template <int C>
 inline void panel(const float* w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
-  constexpr int R = C <= 2 ? 4 : 2;  // at most 8 accumulators plus C weight slices in registers
+  constexpr int R = C >= 8 ? 1 : C >= 4 ? 2 : 4;  // at most 12 accumulators plus C weight slices in registers
   int64_t r = 0;
   for (; r + R <= M; r += R) tile<R, C>(w, x + r * K, K, y + r * N, N);
   switch (M - r) {
@@ -80,8 +84,8 @@ inline void panel(const float* w, const float* x, int64_t M, int64_t K, float* y
   }
 }
 
-// Weight rows are dequantised a panel at a time (4 rows for one or two input rows, else 2) into a
-// buffer that stays in L1, then every input row is dotted with them.
+// Weight rows are dequantised a panel at a time (8 rows for one input row, 4 for two, else 3) into
+// a buffer that stays in L1 or L2, then every input row is dotted with them.
 template <typename Dequant>
 torch::Tensor run(const torch::Tensor& x_in, int64_t N, int64_t K, Dequant dequant) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32, "gguf linear: float32 input expected");
@@ -91,13 +95,17 @@ torch::Tensor run(const torch::Tensor& x_in, int64_t N, int64_t K, Dequant dequa
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t C = M <= 2 ? 4 : 2, panels = (N + C - 1) / C;
+  const int64_t C = M <= 2 ? 4 : 3, panels = (N + C - 1) / C;
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    alignas(64) float w[4 * 2048];
+    alignas(64) float w[8 * 2048];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * C, c = std::min(C, N - n);
       for (int64_t j = 0; j < c; ++j) dequant(n + j, w + j * K);
       switch (c) {
+        case 8: panel<8>(w, xp, M, K, yp + n, N); break;
+        case 7: panel<7>(w, xp, M, K, yp + n, N); break;
+        case 6: panel<6>(w, xp, M, K, yp + n, N); break;
+        case 5: panel<5>(w, xp, M, K, yp + n, N); break;
         case 4: panel<4>(w, xp, M, K, yp + n, N); break;
         case 3: panel<3>(w, xp, M, K, yp + n, N); break;
         case 2: panel<2>(w, xp, M, K, yp + n, N); break;
@@ -136,9 +144,4 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   const int8_t* q = qs.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   return run(x, N, K, [=](int64_t n, float* w) { dequant_q8_0(q + n * K, dp + n * blocks, blocks, w); });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in GGUF Q4_1 blocks");
-  mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in GGUF Q8_0 blocks");
 }

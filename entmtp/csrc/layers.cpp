@@ -1,0 +1,297 @@
+// The rest of a Llama decoder layer for the model served from GGUF blocks: RMSNorm, SiLU times
+// up, rotary embedding, attention over the KV cache, and the whole layer stack in one call.
+//
+// Every result is computed one row (one token, one head) at a time, in an order that depends on
+// nothing but that row: a dot product runs over its inputs in slices of 8 into one accumulator;
+// attention skips the keys a query may not see and takes the visible ones in cache order. So a
+// token's result is the same whether it is verified alone or in a tree block with others, and the
+// same in the module path (transformers' forward, which `generate` runs) as in `Stack::forward`
+// (the engine's), which calls these very functions. Rotary embedding and residual additions are
+// single IEEE multiplications and additions (built without contraction), the same bits as ATen's.
+#include "gguf_linear.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+  return hsum8(acc);
+}
+
+// exp on 8 lanes (Cephes' single-precision polynomial, inputs clamped to +-88.38): deterministic,
+// within ~2 ulp of the true value.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, z), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): LlamaRMSNorm's operations, one row of H.
+inline void rms_row(const float* x, const float* w, int64_t H, float eps, float* y) {
+  const float var = dot(x, x, H) / static_cast<float>(H);
+  const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(var + eps));
+  for (int64_t k = 0; k < H; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), r)));
+}
+
+// a = silu(g) * u, silu(g) = g / (1 + exp(-g)), one row of I.
+inline void silu_mul_row(const float* g, const float* u, int64_t I, float* a) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t k = 0; k < I; k += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + k);
+    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+    _mm256_storeu_ps(a + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+  }
+}
+
+// Which keys a query sees. No mask: causal, the queries being the last Q of L positions. A bool
+// mask [B, heads, Q, Lm] (broadcast strides allowed): Lm == L covers every key; Lm < L covers the
+// last Lm keys and every earlier key is visible (a tree block over a cache).
+struct Visibility {
+  const bool* mask = nullptr;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0, Lm = 0;
+  inline bool operator()(int64_t b, int64_t h, int64_t i, int64_t j, int64_t Q, int64_t L) const {
+    if (mask == nullptr) return j <= L - Q + i;
+    const int64_t jm = j - (L - Lm);
+    return jm < 0 || mask[b * sb + h * sh + i * si + jm * sj];
+  }
+};
+
+Visibility visibility(const c10::optional<torch::Tensor>& mask, int64_t B, int64_t heads, int64_t Q) {
+  Visibility v;
+  if (!mask.has_value()) return v;
+  const auto& m = *mask;
+  TORCH_CHECK(m.scalar_type() == torch::kBool && m.dim() == 4, "attention: the mask must be a 4-D bool tensor");
+  TORCH_CHECK((m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == heads) && m.size(2) == Q,
+              "attention: the mask's shape does not match the queries");
+  v.mask = m.data_ptr<bool>();
+  v.sb = m.size(0) == 1 ? 0 : m.stride(0);
+  v.sh = m.size(1) == 1 ? 0 : m.stride(1);
+  v.si = m.stride(2);
+  v.sj = m.stride(3);
+  v.Lm = m.size(3);
+  return v;
+}
+
+// Strided views of q [B, heads, Q, D], k/v [B, kv_heads, L, D] (last dimension contiguous).
+struct View {
+  const float* p;
+  int64_t sb, sh, si;
+  inline const float* at(int64_t b, int64_t h, int64_t i) const { return p + b * sb + h * sh + i * si; }
+};
+
+// out [B, Q, heads, D]: softmax(q . k * scale) v over the visible keys, each (b, h, i) alone.
+void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, int64_t Q, int64_t L, int64_t D,
+            float scale, const Visibility& vis, float* out) {
+  const int64_t groups = heads / kv_heads, total = B * heads * Q;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D));
+  at::parallel_for(0, total, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(L + 8);
+    std::vector<int64_t> index(L);
+    alignas(32) float acc[256];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (heads * Q), h = t / Q % heads, i = t % Q, g = h / groups;
+      const float* qv = q.at(b, h, i);
+      int64_t n = 0;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < L; ++j) {
+        if (!vis(b, h, i, j, Q, L)) continue;
+        const float s = dot(qv, k.at(b, g, j), D) * scale;
+        score[n] = s;
+        index[n++] = j;
+        top = s > top ? s : top;
+      }
+      float* o = out + ((b * Q + i) * heads + h) * D;
+      if (n == 0) {  // a query that sees nothing (padding): zeros
+        std::fill(o, o + D, 0.0f);
+        continue;
+      }
+      for (int64_t r = n; r < n + 8; ++r) score[r] = top;
+      const __m256 mv = _mm256_set1_ps(top);
+      for (int64_t r = 0; r < n; r += 8)
+        _mm256_storeu_ps(score.data() + r, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + r), mv)));
+      float sum = 0.0f;
+      for (int64_t r = 0; r < n; ++r) sum += score[r];
+      for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
+      for (int64_t r = 0; r < n; ++r) {
+        const __m256 e = _mm256_set1_ps(score[r]);
+        const float* vv = v.at(b, g, index[r]);
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_store_ps(acc + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_load_ps(acc + d)));
+      }
+      const __m256 sv = _mm256_set1_ps(sum);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_load_ps(acc + d), sv));
+    }
+  });
+}
+
+// dst = src * cos + rotate_half(src) * sin for one head of D (rotate_half: [-x2, x1]).
+inline void rope_row(const float* src, const float* c, const float* s, int64_t D, float* dst) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -src[d + half] : src[d - half];
+    const float a = src[d] * c[d], b = rot * s[d];
+    dst[d] = a + b;
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), what, ": float32 CPU tensor expected");
+  TORCH_CHECK(t.size(-1) % 8 == 0 && t.stride(-1) == 1, what, ": the last dimension must be contiguous, a multiple of 8");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rms_norm: weight must be float32 [H]");
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t rows = xc.numel() / H;
+  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
+  return y;
+}
+
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+  check_rows(g, "silu_mul");
+  check_rows(u, "silu_mul");
+  TORCH_CHECK(g.sizes() == u.sizes(), "silu_mul: gate and up differ in shape");
+  const int64_t I = g.size(-1);
+  auto g2 = g.dim() == 2 ? g : g.reshape({-1, I});
+  auto u2 = u.dim() == 2 ? u : u.reshape({-1, I});
+  const int64_t rows = g2.size(0);
+  auto a = torch::empty({rows, I}, g.options());
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul_row(g2.data_ptr<float>() + r * g2.stride(0), u2.data_ptr<float>() + r * u2.stride(0), I, a.data_ptr<float>() + r * I);
+  return a.view(g.sizes());
+}
+
+// q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask None (causal) or bool -> out [B, Q, heads, D].
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
+  check_rows(q, "attention");
+  check_rows(k, "attention");
+  check_rows(v, "attention");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "attention: 4-D q, k, v expected");
+  const int64_t B = q.size(0), heads = q.size(1), Q = q.size(2), D = q.size(3), kv_heads = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && heads % kv_heads == 0 && D <= 256 && L >= Q, "attention: shapes do not fit");
+  auto out = torch::empty({B, Q, heads, D}, q.options());
+  auto vis = visibility(mask, B, heads, Q);
+  attend({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2)}, {k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
+         {v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)}, B, heads, kv_heads, Q, L, D, static_cast<float>(scale), vis,
+         out.data_ptr<float>());
+  return out;
+}
+
+// The layer stack of a Llama model whose projections are Q4_1 blocks, for one sequence (batch 1).
+// Per layer, 14 tensors: input norm weight; q/k/v fused (qs, d, m); o (qs, d, m); post-attention
+// norm weight; gate/up fused (qs, d, m); down (qs, d, m).
+struct Stack {
+  std::vector<torch::Tensor> w;
+  int64_t heads, kv_heads, dim;
+  double eps, scale;
+
+  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale)
+      : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale) {
+    TORCH_CHECK(w.size() % 14 == 0, "Stack: 14 tensors per layer expected");
+    TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "Stack: unsupported head layout");
+  }
+
+  // x [Q, H] (embedded tokens), cos/sin [Q, D], the layers' key/value buffers [1, kv_heads, capacity,
+  // D] holding `past` entries, an optional bool block mask [Q, Q] among the new tokens (else causal):
+  // writes the new keys and values at past..past+Q-1, returns the last layer's output [Q, H].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
+                        std::vector<torch::Tensor> values, int64_t past, c10::optional<torch::Tensor> block) {
+    const int64_t layers = static_cast<int64_t>(w.size() / 14), Q = x.size(0), H = x.size(1), D = dim, L = past + Q;
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "Stack: x must be float32 [Q, H]");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == Q * D && sin.numel() == Q * D, "Stack: cos/sin must be [Q, D]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers, "Stack: one cache per layer");
+    c10::optional<torch::Tensor> mask;
+    if (block.has_value()) {
+      TORCH_CHECK(block->scalar_type() == torch::kBool && block->size(0) == Q && block->size(1) == Q, "Stack: block mask must be bool [Q, Q]");
+      mask = block->contiguous().view({1, 1, Q, Q});
+    }
+    const auto vis = visibility(mask, 1, heads, Q);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t qw = heads * D, kw = kv_heads * D;
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor* t = w.data() + 14 * l;
+      auto& kb = keys[l];
+      auto& vb = values[l];
+      TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.size(1) == kv_heads && kb.size(2) >= L && kb.size(3) == D &&
+                      vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
+      const int64_t cap = kb.size(2);
+      auto h = rms_norm(x, t[0], eps);
+      auto qkv = q4_1_linear(h, t[1], t[2], t[3]);
+      auto qr = torch::empty({heads, Q, D}, x.options());
+      {
+        const float* src = qkv.data_ptr<float>();
+        float* qp = qr.data_ptr<float>();
+        float* kp = kb.data_ptr<float>();
+        float* vp = vb.data_ptr<float>();
+        const int64_t row = qw + 2 * kw;
+        for (int64_t i = 0; i < Q; ++i) {
+          const float* r = src + i * row;
+          for (int64_t hh = 0; hh < heads; ++hh) rope_row(r + hh * D, cp + i * D, sp + i * D, D, qp + (hh * Q + i) * D);
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            rope_row(r + qw + g * D, cp + i * D, sp + i * D, D, kp + (g * cap + past + i) * D);
+            std::copy(r + qw + kw + g * D, r + qw + kw + (g + 1) * D, vp + (g * cap + past + i) * D);
+          }
+        }
+      }
+      auto att = torch::empty({Q, heads * D}, x.options());
+      attend({qr.data_ptr<float>(), 0, Q * D, D}, {kb.data_ptr<float>(), 0, cap * D, D}, {vb.data_ptr<float>(), 0, cap * D, D}, 1,
+             heads, kv_heads, Q, L, D, static_cast<float>(scale), vis, att.data_ptr<float>());
+      x = x + q4_1_linear(att, t[4], t[5], t[6]);
+      auto h2 = rms_norm(x, t[7], eps);
+      auto gu = q4_1_linear(h2, t[8], t[9], t[10]);
+      const int64_t I = gu.size(1) / 2;
+      auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+      x = x + q4_1_linear(a, t[11], t[12], t[13]);
+    }
+    (void)H;
+    return x;
+  }
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in GGUF Q4_1 blocks");
+  mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in GGUF Q8_0 blocks");
+  mod.def("rms_norm", &rms_norm, "LlamaRMSNorm, one row at a time");
+  mod.def("silu_mul", &silu_mul, "silu(gate) * up");
+  mod.def("attention", &attention, "attention over visible keys, each query and head alone");
+  pybind11::class_<Stack>(mod, "Stack")
+      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &Stack::forward);
+}

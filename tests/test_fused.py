@@ -1,0 +1,99 @@
+"""The extension's layer operations (entmtp/csrc/layers.cpp, decoder.fuse): close to transformers'
+arithmetic, independent of the batch a row is in, and a fused model's engine equal to `generate`
+on that same model, bit for bit: a tiny Llama whose every projection is random GGUF blocks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from entmtp import decoder, kernels, quant
+from entmtp.bank import TopologyBank
+from entmtp.config import GenerationConfig
+from entmtp.engine import Engine, Strategy, collect
+from entmtp.policy import StaticPolicy
+from entmtp.topology import chain, compile_tree
+from conftest import random_heads, reference, tiny_config
+from test_decoder import check_steps
+from test_quant import random_blocks
+
+pytestmark = pytest.mark.skipif(quant.unavailable_reason() is not None, reason=f"GGUF kernels: {quant.unavailable_reason()}")
+
+
+def ext():
+    e = quant.extension()
+    assert e is not None, quant._state.get("error")
+    return e
+
+
+def test_norm_and_activation_match_transformers():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 576, generator=g) * 3, torch.randn(576, generator=g)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(ext().rms_norm(x, w, 1e-5), w * h, rtol=2e-6, atol=1e-6)
+    gate, up = torch.randn(3, 1536, generator=g) * 6, torch.randn(3, 1536, generator=g)
+    torch.testing.assert_close(ext().silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+
+
+def test_attention_matches_sdpa_and_each_query_stands_alone():
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, past, n, dim = 9, 3, 37, 6, 64
+    q = torch.randn(1, heads, n, dim, generator=g)
+    k, v = torch.randn(1, kv_heads, past + n, dim, generator=g), torch.randn(1, kv_heads, past + n, dim, generator=g)
+    block = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(n, past, dtype=torch.bool), block], 1)[None, None]
+    got = ext().attention(q, k, v, mask, dim ** -0.5)  # [1, n, heads, dim]
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+    torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    for i in range(n):  # a node alone, over only the keys it sees, in cache order: the same bits
+        seen = mask[0, 0, i].nonzero()[:, 0]
+        alone = ext().attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, dim ** -0.5)
+        assert torch.equal(alone[0, 0], got[0, i]), i
+    causal = ext().attention(q, k, v, None, dim ** -0.5)  # no mask: the last n keys causal
+    full = torch.ones(n, past + n, dtype=torch.bool).tril(past)[None, None]
+    assert torch.equal(causal, ext().attention(q, k, v, full, dim ** -0.5))
+
+
+def blocked_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama (dimensions multiples of 32) whose projections are random Q4_1 blocks and whose
+    LM head is Q8_0, each a `GGUFLinear` on the float32 weights its blocks dequantise to."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(96, 256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    modules = dict(model.named_modules())
+    for i, (name, layer) in enumerate([(n, m) for n, m in modules.items() if isinstance(m, torch.nn.Linear)]):
+        kind = "q8_0" if name == "lm_head" else "q4_1"
+        qs, d, m = quant._split_blocks(random_blocks(kind, layer.out_features, layer.in_features, seed=10 + i), kind)
+        weight = torch.nn.Parameter(quant._dequantize(qs, d, m) * (4.0 if kind == "q8_0" else 1.0), requires_grad=False)
+        if kind == "q8_0":
+            d = d * 4.0  # peakier logits: exercises acceptance (exact: a power of two)
+        parent, _, attr = name.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, quant.GGUFLinear(weight, kind, qs, d, m))
+    kernels.use_tree_attention(model)
+    assert decoder.fuse(model) and kernels.label(model) == "gguf-blocks+fused"
+    return model
+
+
+def test_fused_stack_equals_transformers_forward():
+    check_steps(blocked_llama(), 11, 96)
+
+
+def test_fused_engine_equals_its_generate(monkeypatch):
+    calls = []
+    stack_forward = decoder._stack_forward
+    monkeypatch.setattr(decoder, "_stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
+    model = blocked_llama(1)
+    heads = random_heads(model)
+    engine = Engine(model, [])
+    gen = GenerationConfig(max_new_tokens=40)
+    trees = [compile_tree([], "ar"), compile_tree(chain(3), "c3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
+    for prompt in ([1, 5, 9, 13, 2], [7, 7, 3, 90, 41, 8, 8, 60]):
+        ref = reference(model, prompt, 40)  # transformers' generate, through the fused modules
+        for i, tree in enumerate(trees):
+            strategy = Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads)
+            assert collect(engine.generate(prompt, strategy, gen)).token_ids == ref, (tree.name, prompt)
+    assert calls  # the engine ran the stack, not transformers

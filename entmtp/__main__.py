@@ -397,7 +397,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .bench import bench_items, check_methods, run_bench, save, summary, table
+    from .bench import bench_items, check_methods, run_bench, save, summary, table, warmup_line
 
     cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
     items = bench_items(args.prompts, args.tasks, cfg.prompts_per_task)
@@ -411,6 +411,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     out = run_bench(rt, items, args.methods, cfg, progress)
     print(table(out["results"]))
     result = summary(rt, out, items, cfg, time.perf_counter() - t0, _command(args), args.note)
+    print(warmup_line(result["warmup"]))
     if args.out:
         save(args.out, result, out)
     print(json.dumps(result))

@@ -48,6 +48,12 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     encoded = [(it["task"], rt.encode(it["prompt"])) for it in items]
 
+    sizes = {1}
+    for task in {t for t, _ in encoded}:
+        for m in methods:
+            if m not in ("hf", "hf-lookup"):
+                sizes |= {tree.n_nodes for tree in rt.strategy(m, task).bank.trees}
+    rt.engine.warmup(sorted(sizes))  # every forward shape once, outside the clock (`warmup` reports the times)
     warm = GenerationConfig(max_new_tokens=cfg.warmup_new_tokens)
     for task in sorted({t for t, _ in encoded}):
         ids = next(i for t, i in encoded if t == task)
@@ -150,7 +156,7 @@ def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, 
     figures, then the machine, model, weights, fits and settings of the run."""
     import torch
 
-    from . import kernels
+    from . import kernels, quant
     from .calibrate import hardware
 
     return {
@@ -167,8 +173,28 @@ def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, 
         "command": command,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
+        "warmup": warmup_report(rt, quant.warmup()),
         **({"note": note} if note else {}),
     }
+
+
+def warmup_report(rt, kernel_warmup: dict | None) -> dict[str, Any]:
+    """What starting took, outside every clock: the whole start (`start_s`: weights, kernels,
+    model), the GGUF extension within it (compiled now or loaded from its cache; null where it
+    was not used), and per tree size the first forward of its shapes (`per_tree_ms`)."""
+    return {
+        "start_s": getattr(rt, "load_s", None),
+        "kernels": kernel_warmup,
+        "per_tree_ms": {str(n): ms for n, ms in sorted(rt.engine.warmup_ms.items())},
+    }
+
+
+def warmup_line(w: dict[str, Any]) -> str:
+    """`warmup_report` in one line of text."""
+    k = w.get("kernels")
+    ext = "" if not k else f"; GGUF extension {'compiled' if k['built'] else 'loaded'} in {k['seconds']:.1f} s"
+    trees = ", ".join(f"n{n} {ms:.0f} ms" for n, ms in w.get("per_tree_ms", {}).items())
+    return f"warm-up (outside the clocks): start {w.get('start_s') or 0:.1f} s{ext}; first forward per tree size: {trees}"
 
 
 def save(folder: str | Path, summary: dict, out: dict) -> Path:

@@ -89,19 +89,25 @@ class Engine:
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.device = model.get_output_embeddings().weight.device
         self._warm: set[int] = set()
+        self.warmup_ms: dict[int, float] = {}  # tree size -> ms its first forward shapes took (`warmup`)
 
     def new_cache(self):
         return kv.new_cache(self.model.config)
 
     @torch.inference_mode()
     def warmup(self, sizes: list[int], context: int = 64) -> None:
-        """Run each forward shape once (bf16 kernels are built on first use)."""
+        """Run each forward shape once (bf16 kernels are built on first use), outside any clock;
+        the time each size took is kept in `warmup_ms`."""
         for n in sorted(set(sizes) - self._warm):
+            t0 = time.perf_counter()
             cache = self.new_cache()
             ids = torch.zeros(1, context, dtype=torch.long, device=self.device)
             verify.forward(self.model, cache, ids, torch.arange(context, device=self.device)[None], None)
             tail = torch.zeros(1, n, dtype=torch.long, device=self.device)
             verify.forward(self.model, cache, tail, torch.arange(context, context + n, device=self.device)[None], None)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.warmup_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
             self._warm.add(n)
 
     def generate(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:

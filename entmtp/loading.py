@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -328,6 +329,7 @@ class Runtime:
     calibrate_config: CalibrateConfig = field(default_factory=CalibrateConfig)
     cache_root: Path | None = None  # where this machine's fits are cached (None: the model cache root)
     progress: Any = None  # progress(iterable, desc, total) for a calibration run
+    load_s: float = 0.0  # seconds the start took: weights, kernels (built or loaded), model
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
@@ -433,6 +435,7 @@ def load_runtime(
     """Model, tokenizer and engine; heads and banks load on first use. `fit_mode` picks the banks'
     fit: "shipped" (the file's, no timing), "auto" (this machine's, calibrated once and cached)
     or "refit" (calibrate now)."""
+    started = time.perf_counter()
     weights = resolve_weights(cfg)
     model, tok = load_model(cfg, weights)
     return Runtime(
@@ -447,4 +450,5 @@ def load_runtime(
         calibrate_config=calibrate_config or CalibrateConfig(),
         cache_root=cache_root(cfg),
         progress=progress,
+        load_s=round(time.perf_counter() - started, 2),
     )

@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +86,21 @@ def extension():
                 built = False
             if not built:
                 print("entmtp: building the GGUF block kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
             try:
                 _state["ext"] = cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # a compiler error, a missing header: oneDNN serves instead
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 reason = f"building them failed: {last}"
+            _state["warmup"] = {"seconds": round(time.perf_counter() - started, 2), "built": not built}
         _state["error"] = reason
         return _state["ext"]
+
+
+def warmup() -> dict | None:
+    """How long making the kernels ready took in this process: {"seconds", "built"} (built: compiled
+    now, else loaded from the extension cache); None if they were never asked for."""
+    return _state.get("warmup")
 
 
 class GGUFLinear(nn.Module):

@@ -126,6 +126,10 @@ def _header(run: dict, n: int) -> list[str]:
         + ", ".join(f"{t} {(rows.get((t, 'ar')) or first[t])['tokens']}" for t in tasks) + ".",
         f"- Bank fits behind `predicted tok/s` measured on: {fit_text}.",
     ]
+    if run.get("warmup"):
+        from .bench import warmup_line
+
+        lines.append(f"- {warmup_line(run['warmup'])[0].upper()}{warmup_line(run['warmup'])[1:]}.")
     if run.get("source"):
         lines.append(f"- Results file: `{run['source']}`.")
     if run.get("note"):

@@ -65,7 +65,7 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
 
 
 NAME = "entmtp_gguf_linear"
-MAX_IN = 2048  # the kernels' per-thread buffer holds 8 weight rows of at most this many inputs
+MAX_IN = 2048  # the kernels' per-thread buffer holds 4 weight rows of at most this many inputs
 
 
 def extension():

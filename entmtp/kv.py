@@ -12,9 +12,10 @@ from transformers.cache_utils import DynamicLayer
 class BufferedLayer(DynamicLayer):
     """A `DynamicLayer` that writes new entries into a preallocated buffer instead of `torch.cat`.
 
-    `keys`/`values` are views of the first `length` positions, so a step appends its block in
-    place (the stock layer copies the whole cache every step), `crop` only shortens the views,
-    and `commit` moves the accepted entries inside the buffer. Capacity doubles when full.
+    `keys`/`values` are views of the first `length` positions (made when next read after a
+    change), so a step appends its block in place (the stock layer copies the whole cache every
+    step), `crop` only shortens the views, and `commit` moves the accepted entries inside the
+    buffer. Capacity doubles when full.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -34,9 +35,33 @@ class BufferedLayer(DynamicLayer):
             v[..., : self.length, :] = self._v[..., : self.length, :]
         self._k, self._v = k, v
 
+    _stale = False  # `keys`/`values` are made on first read after a change: a step changes 30 layers
+
     def _views(self) -> None:
-        self.keys = self._k[..., : self.length, :]
-        self.values = self._v[..., : self.length, :]
+        self._stale = True
+
+    def _fresh(self) -> None:
+        if self._stale:
+            self._stale = False
+            self._keys, self._values = self._k[..., : self.length, :], self._v[..., : self.length, :]
+
+    @property
+    def keys(self):
+        self._fresh()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self):
+        self._fresh()
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

@@ -16,14 +16,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
 // Q4_1 block: 16 bytes of nibbles; byte j holds element j (low nibble) and element j + 16 (high).
 // Its 32 weights, w = d * q + m, as four 8-lane vectors.
 inline void block_q4_1(const uint8_t* qs, float d, float m, __m256 w[4]) {

@@ -110,7 +110,7 @@ class BenchConfig:
 class KernelBenchConfig:
     """`python -m entmtp kernels`: packed against stock CPU kernels, per tree size (entmtp.kernels.compare)."""
 
-    sizes: tuple[int, ...] = (1, 5, 9, 17)  # tree nodes verified at once (1: a plain decode step)
+    sizes: tuple[int, ...] = (1, 2, 4, 9, 17)  # tree nodes verified at once (1: a plain decode step)
     context: int = 192  # cached tokens the tree attends to (as calibrate times a step)
     reps: int = 15  # timed rounds; medians are reported
     warmup: int = 2  # untimed first rounds

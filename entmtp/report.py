@@ -94,6 +94,27 @@ def read_run(path: Path, root: Path = ROOT) -> dict:
     return {**run, "source": source}
 
 
+FLOOR_KEYS = ("hardware", "weights", "context", "reps", "floor", "rows")
+
+
+def read_floor(path: Path, root: Path = ROOT) -> dict:
+    """One saved `kernels` result (its JSON line), with its "source" path; ReportError if it is not one."""
+    try:
+        k = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ReportError(f"cannot read kernels file {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReportError(f"kernels file {path} is not JSON: {e}") from None
+    missing = [key for key in FLOOR_KEYS if not isinstance(k, dict) or key not in k]
+    if missing or not all("linears_ms" in r for r in k["rows"]):
+        raise ReportError(f"kernels file {path}: not the JSON line of `python -m entmtp kernels` (missing {', '.join(missing) or 'linears_ms'})")
+    try:
+        source = Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        source = Path(path).as_posix()
+    return {**k, "source": f"`{source}`"}
+
+
 def _num(v: float | None, fmt: str) -> str:
     return DASH if v is None else format(v, fmt)
 
@@ -220,9 +241,42 @@ def _targets(run: dict) -> list[str]:
     return lines
 
 
-def render(runs: list[dict]) -> str:
-    """The Markdown of BENCHMARKS.md for bench results dicts, in the given order. A run's optional
-    "source" (the results file's path) is named under its heading."""
+def floor_section(k: dict) -> str:
+    """One `python -m entmtp kernels` result (its JSON line, saved under benchmarks/kernels/) as a
+    section: per tree size, the verification against its matrix work and against the machine's
+    floor (`kernels.floors`)."""
+    from .kernels import floor_ms
+
+    f = k["floor"]
+    lines = [
+        f"## Step time against its floor: {k['hardware']}",
+        "",
+        f"`python -m entmtp kernels` ({k['weights']}; {k['context']} tokens of context; medians of {k['reps']}, "
+        f"served and stock kernels interleaved{'; ' + k['source'] if k.get('source') else ''}). "
+        "`verify` is one tree verification (the verify phase of a decode step, LM head included); `linears` "
+        "is every linear layer of the served model called once on as many rows, the matrix work of that "
+        "verification; `rest` = verify − linears (norms, rotary embedding, attention, the call around them). "
+        f"The floor is the larger of reading the served weights once ({f['weights_mb']} MB at the "
+        f"{f['bandwidth_gbs']} GB/s a float32 sum reaches here: {f['memory_ms']} ms) and one multiply-add "
+        f"per weight and row ({f['macs_per_row_m']} M a row at the {f['gemm_gfma_s']} GFMA/s PyTorch's "
+        f"float32 matrix product reaches here: {f['fma_ms_per_row']} ms a row; a practical ceiling, "
+        "not a hard one).",
+        "",
+        "| nodes | verify ms | linears ms | rest ms | floor ms | verify / floor | stock verify ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in k["rows"]:
+        v, lin, floor = r["verify_ms"]["packed"], r["linears_ms"]["packed"], floor_ms(f, r["nodes"])
+        lines.append(f"| {r['nodes']} | {v:.1f} | {lin:.1f} | {v - lin:.1f} | {floor:.1f} | {v / floor:.1f}× | "
+                     f"{r['verify_ms']['stock']:.1f} |")
+    lines += ["", f"These figures hold for {k['hardware']} only."]
+    return "\n".join(lines) + "\n"
+
+
+def render(runs: list[dict], floors: list[dict] = ()) -> str:
+    """The Markdown of BENCHMARKS.md for bench results dicts, in the given order, then the `kernels`
+    results in `floors`. A run's optional "source" (the results file's path) is named under its
+    heading."""
     if not runs:
         raise ReportError("no bench results to render")
     parts = [INTRO]
@@ -235,4 +289,5 @@ def render(runs: list[dict]) -> str:
             "can give different ones.",
         ]
         parts.append("\n".join(section) + "\n")
+    parts += [floor_section(k) for k in floors]
     return "\n".join(parts)

@@ -97,9 +97,23 @@ def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
     result = json.loads(lines[-1])
     assert result["hardware"].startswith("cpu ") and "torch threads 2" in result["hardware"]
     assert lines[0].startswith(result["hardware"])  # the table names the machine
-    assert [r["nodes"] for r in result["rows"]] == [1, 5, 9, 17] and result["reps"] == 1
+    assert [r["nodes"] for r in result["rows"]] == [1, 2, 4, 9, 17] and result["reps"] == 1
     assert result["context"] == 160 - 17 - 1  # 192 does not fit the tiny model's 160 positions
     for r in result["rows"]:
-        for what in ("verify_ms", "lm_head_ms"):
+        for what in ("verify_ms", "lm_head_ms", "linears_ms"):
             assert set(r[what]) == {"packed", "stock"} and all(v > 0 for v in r[what].values())
-    assert len(lines) == 1 + 2 + 4 + 1  # heading, table head and rule, a row per size, the JSON line
+    floor = result["floor"]
+    assert floor["bandwidth_gbs"] > 0 and floor["gemm_gfma_s"] > 0 and floor["weights_mb"] > 0
+    assert floor["memory_ms"] == pytest.approx(floor["weights_mb"] / floor["bandwidth_gbs"], rel=0.02)
+    assert len(lines) == 1 + 2 + 5 + 1 + 1  # heading, table head and rule, a row per size, the floor, the JSON line
+    # saved under benchmarks/kernels/, `report` renders it as a section of its own
+    from entmtp.report import ReportError, floor_section, read_floor
+
+    saved = tiny_dir / "kernels.json"
+    saved.write_text(lines[-1])
+    section = floor_section(read_floor(saved))
+    assert section.startswith(f"## Step time against its floor: {result['hardware']}")
+    assert sum(line.startswith("| ") and line[2].isdigit() for line in section.splitlines()) == 5
+    saved.write_text('{"rows": []}')
+    with pytest.raises(ReportError, match="not the JSON line of `python -m entmtp kernels`"):
+        read_floor(saved)

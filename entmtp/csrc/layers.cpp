@@ -100,6 +100,20 @@ struct View {
   inline const float* at(int64_t b, int64_t h, int64_t i) const { return p + b * sb + h * sh + i * si; }
 };
 
+// acc[0..8V) = sum over the n visible keys, in order, of weight[r] * v[index[r]], in registers
+// (the same multiply-adds, in the same order, as the general loop in `attend`).
+template <int V>
+inline void weigh(const float* weight, const int64_t* index, int64_t n, const View& v, int64_t b, int64_t g, float* acc) {
+  __m256 a[V];
+  for (int d = 0; d < V; ++d) a[d] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 e = _mm256_set1_ps(weight[r]);
+    const float* vv = v.at(b, g, index[r]);
+    for (int d = 0; d < V; ++d) a[d] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + 8 * d), a[d]);
+  }
+  for (int d = 0; d < V; ++d) _mm256_store_ps(acc + 8 * d, a[d]);
+}
+
 // out [B, Q, heads, D]: softmax(q . k * scale) v over the visible keys, each (b, h, i) alone.
 void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, int64_t Q, int64_t L, int64_t D,
             float scale, const Visibility& vis, float* out) {
@@ -113,14 +127,30 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
       const int64_t b = t / (heads * Q), h = t / Q % heads, i = t % Q, g = h / groups;
       const float* qv = q.at(b, h, i);
       int64_t n = 0;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        if (!vis(b, h, i, j, Q, L)) continue;
-        const float s = dot(qv, k.at(b, g, j), D) * scale;
-        score[n] = s;
-        index[n++] = j;
-        top = s > top ? s : top;
+      for (int64_t j = 0; j < L; ++j)
+        if (vis(b, h, i, j, Q, L)) index[n++] = j;
+      // four keys at a time: four independent accumulators hide the FMA latency; each key's sum
+      // runs in the same order as `dot`, so a score does not depend on its neighbours
+      int64_t u = 0;
+      for (; u + 4 <= n; u += 4) {
+        const float *k0 = k.at(b, g, index[u]), *k1 = k.at(b, g, index[u + 1]), *k2 = k.at(b, g, index[u + 2]),
+                    *k3 = k.at(b, g, index[u + 3]);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qd = _mm256_loadu_ps(qv + d);
+          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+        }
+        score[u] = hsum(a0) * scale;
+        score[u + 1] = hsum(a1) * scale;
+        score[u + 2] = hsum(a2) * scale;
+        score[u + 3] = hsum(a3) * scale;
       }
+      for (; u < n; ++u) score[u] = dot(qv, k.at(b, g, index[u]), D) * scale;
+      float top = -std::numeric_limits<float>::infinity();
+      for (u = 0; u < n; ++u) top = score[u] > top ? score[u] : top;
       float* o = out + ((b * Q + i) * heads + h) * D;
       if (n == 0) {  // a query that sees nothing (padding): zeros
         std::fill(o, o + D, 0.0f);
@@ -132,12 +162,16 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
         _mm256_storeu_ps(score.data() + r, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + r), mv)));
       float sum = 0.0f;
       for (int64_t r = 0; r < n; ++r) sum += score[r];
-      for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
-      for (int64_t r = 0; r < n; ++r) {
-        const __m256 e = _mm256_set1_ps(score[r]);
-        const float* vv = v.at(b, g, index[r]);
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_store_ps(acc + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_load_ps(acc + d)));
+      if (D == 64) {
+        weigh<8>(score.data(), index.data(), n, v, b, g, acc);
+      } else {
+        for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
+        for (int64_t r = 0; r < n; ++r) {
+          const __m256 e = _mm256_set1_ps(score[r]);
+          const float* vv = v.at(b, g, index[r]);
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_store_ps(acc + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_load_ps(acc + d)));
+        }
       }
       const __m256 sv = _mm256_set1_ps(sum);
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_load_ps(acc + d), sv));

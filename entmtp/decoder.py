@@ -219,7 +219,9 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
     cos, sin = base.rotary_emb(x, position_ids=position_ids)
     stack = model.__dict__.get("_entmtp_stack")
     if stack is not None:  # a fused model: the whole stack in one call, or transformers (whose modules are the same)
-        if mask is not None and not bool((mask[0, 0, :, :past] == 0).all()):  # the stack lets every node see the cache
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask == 0  # an additive mask of 0 (seen) and the dtype's minimum (hidden)
+        if mask is not None and not bool(mask[0, 0, :, :past].all()):  # the stack lets every node see the cache
             return None
         return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -244,14 +246,13 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
 
 
 def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask):
-    """The fused model's layers in one extension call, writing the cache in place."""
+    """The fused model's layers in one extension call, writing the cache in place; `mask` is None
+    (causal) or bool [1, 1, Q, past + Q] that shows every node the whole cache."""
     attn = model.model.layers[0].self_attn
     kv_heads, dim = model.config.num_key_value_heads, attn.head_dim
     q_len = x.shape[0]
     buffers = [c.make_room(q_len, kv_heads, dim, x.dtype, x.device) for c in layers]
-    block = None
-    if mask is not None:
-        block = mask[0, 0, :, past:] == 0  # the tree block: 0 where a node sees a node, min elsewhere
+    block = None if mask is None else mask[0, 0, :, past:]  # the tree block among the new tokens (bool)
     out = stack.forward(x.contiguous(), cos.contiguous(), sin.contiguous(), [b[0] for b in buffers], [b[1] for b in buffers], past, block)
     for c in layers:
         c.advance(q_len)

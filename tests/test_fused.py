@@ -97,3 +97,25 @@ def test_fused_engine_equals_its_generate(monkeypatch):
             strategy = Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads)
             assert collect(engine.generate(prompt, strategy, gen)).token_ids == ref, (tree.name, prompt)
     assert calls  # the engine ran the stack, not transformers
+
+
+def test_stack_takes_additive_and_bool_masks_alike():
+    from entmtp import kv
+
+    model = blocked_llama(2)
+    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "t5")
+    ids, toks = torch.arange(3, 14)[None], torch.tensor([20, 21, 22, 23, 24])
+    block = tree.mask_block(torch.float32, torch.device("cpu"))
+    additive = torch.cat([torch.zeros(5, 11), block], 1)[None, None]
+    outs = []
+    with torch.inference_mode():
+        for mask in (additive, additive == 0):
+            cache = kv.new_cache(model.config)
+            decoder.forward(model, cache, ids, torch.arange(11)[None], None)
+            outs.append(decoder.forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], mask))
+        assert torch.equal(outs[0][1], outs[1][1])
+        # a mask that hides part of the cache is not the stack's to compute: transformers' path takes it
+        cache = kv.new_cache(model.config)
+        decoder.forward(model, cache, ids, torch.arange(11)[None], None)
+        hidden_past = torch.cat([torch.full((5, 1), torch.finfo(torch.float32).min), torch.zeros(5, 10), block], 1)[None, None]
+        assert decoder.forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], hidden_past) is None

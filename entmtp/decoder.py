@@ -90,11 +90,15 @@ def _attention(ext):
     takes each query and head alone over the keys it may see (masks as bool, or none: causal)."""
 
     def attend(query, key, value, mask, scaling):
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask == 0  # an additive mask of 0 (seen) and the dtype's minimum (hidden)
-        return ext.attention(query, key, value, mask, float(scaling))
+        return ext.attention(query, key, value, _seen(mask), float(scaling))
 
     return attend
+
+
+def _seen(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask as bool, True where a query sees a key: an additive mask holds 0 there and the dtype's
+    minimum elsewhere."""
+    return mask if mask is None or mask.dtype == torch.bool else mask == 0
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -219,8 +223,7 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
     cos, sin = base.rotary_emb(x, position_ids=position_ids)
     stack = model.__dict__.get("_entmtp_stack")
     if stack is not None:  # a fused model: the whole stack in one call, or transformers (whose modules are the same)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask == 0  # an additive mask of 0 (seen) and the dtype's minimum (hidden)
+        mask = _seen(mask)
         if mask is not None and not bool(mask[0, 0, :, :past].all()):  # the stack lets every node see the cache
             return None
         return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask)

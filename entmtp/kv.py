@@ -9,6 +9,16 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 
+def _lazy_view(name: str) -> property:
+    """A `BufferedLayer` attribute read through `_fresh` (the views are remade when stale)."""
+
+    def get(self):
+        self._fresh()
+        return getattr(self, name)
+
+    return property(get, lambda self, value: setattr(self, name, value))
+
+
 class BufferedLayer(DynamicLayer):
     """A `DynamicLayer` that writes new entries into a preallocated buffer instead of `torch.cat`.
 
@@ -45,23 +55,8 @@ class BufferedLayer(DynamicLayer):
             self._stale = False
             self._keys, self._values = self._k[..., : self.length, :], self._v[..., : self.length, :]
 
-    @property
-    def keys(self):
-        self._fresh()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-
-    @property
-    def values(self):
-        self._fresh()
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
+    keys = _lazy_view("_keys")
+    values = _lazy_view("_values")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -77,11 +72,10 @@ class BufferedLayer(DynamicLayer):
     def make_room(self, n: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers [1, kv_heads, capacity, dim], grown to hold n more entries, for
         a kernel that writes them in place (then `advance(n)`)."""
-        if not self.is_initialized:
-            empty = torch.empty(1, kv_heads, 0, dim, dtype=dtype, device=device)
-            self.lazy_initialization(empty, empty)
-        if self._k is None or self.length + n > self._k.shape[-2]:
-            empty = torch.empty(1, kv_heads, 0, dim, dtype=dtype, device=device)
+        if not self.is_initialized or self._k is None or self.length + n > self._k.shape[-2]:  # only then: a step's hot path
+            empty = torch.empty(1, kv_heads, 0, dim, dtype=dtype, device=device)  # the shape templates `_reserve` reads
+            if not self.is_initialized:
+                self.lazy_initialization(empty, empty)
             self._reserve(empty, empty, self.length + n)
         return self._k, self._v
 

@@ -87,11 +87,16 @@ def read_run(path: Path, root: Path = ROOT) -> dict:
         raise ReportError(f"results file {path} is not JSON: {e}") from None
     except ReportError as e:
         raise ReportError(f"results file {path}: {e}") from None
+    return {**run, "source": _source(path, root)}
+
+
+def _source(path: Path, root: Path) -> str:
+    """A file's path in the repository when it lies there (so the page does not depend on the
+    working directory), else as given."""
     try:
-        source = Path(path).resolve().relative_to(root).as_posix()
+        return Path(path).resolve().relative_to(root).as_posix()
     except ValueError:
-        source = Path(path).as_posix()
-    return {**run, "source": source}
+        return Path(path).as_posix()
 
 
 FLOOR_KEYS = ("hardware", "weights", "context", "reps", "floor", "rows")
@@ -108,11 +113,7 @@ def read_floor(path: Path, root: Path = ROOT) -> dict:
     missing = [key for key in FLOOR_KEYS if not isinstance(k, dict) or key not in k]
     if missing or not all("linears_ms" in r for r in k["rows"]):
         raise ReportError(f"kernels file {path}: not the JSON line of `python -m entmtp kernels` (missing {', '.join(missing) or 'linears_ms'})")
-    try:
-        source = Path(path).resolve().relative_to(root).as_posix()
-    except ValueError:
-        source = Path(path).as_posix()
-    return {**k, "source": f"`{source}`"}
+    return {**k, "source": _source(path, root)}
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -150,7 +151,8 @@ def _header(run: dict, n: int) -> list[str]:
     if run.get("warmup"):
         from .bench import warmup_line
 
-        lines.append(f"- {warmup_line(run['warmup'])[0].upper()}{warmup_line(run['warmup'])[1:]}.")
+        line = warmup_line(run["warmup"])
+        lines.append(f"- {line[0].upper()}{line[1:]}.")
     if run.get("source"):
         lines.append(f"- Results file: `{run['source']}`.")
     if run.get("note"):
@@ -252,7 +254,7 @@ def floor_section(k: dict) -> str:
         f"## Step time against its floor: {k['hardware']}",
         "",
         f"`python -m entmtp kernels` ({k['weights']}; {k['context']} tokens of context; medians of {k['reps']}, "
-        f"served and stock kernels interleaved{'; ' + k['source'] if k.get('source') else ''}). "
+        f"served and stock kernels interleaved{'; `' + k['source'] + '`' if k.get('source') else ''}). "
         "`verify` is one tree verification (the verify phase of a decode step, LM head included); `linears` "
         "is every linear layer of the served model called once on as many rows, the matrix work of that "
         "verification; `rest` = verify − linears (norms, rotary embedding, attention, the call around them). "

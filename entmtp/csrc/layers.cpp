@@ -258,7 +258,7 @@ struct Stack {
   // writes the new keys and values at past..past+Q-1, returns the last layer's output [Q, H].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values, int64_t past, c10::optional<torch::Tensor> block) {
-    const int64_t layers = static_cast<int64_t>(w.size() / 14), Q = x.size(0), H = x.size(1), D = dim, L = past + Q;
+    const int64_t layers = static_cast<int64_t>(w.size() / 14), Q = x.size(0), D = dim, L = past + Q;
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "Stack: x must be float32 [Q, H]");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == Q * D && sin.numel() == Q * D, "Stack: cos/sin must be [Q, D]");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers, "Stack: one cache per layer");
@@ -306,7 +306,6 @@ struct Stack {
       auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
       x = x + q4_1_linear(a, t[11], t[12], t[13]);
     }
-    (void)H;
     return x;
   }
 };

@@ -67,8 +67,9 @@ def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--kernels", default=d.kernels, choices=list(KERNELS),
-                   help="CPU linears. packed: the GGUF's Q4_1/Q8_0 blocks for the default model, else oneDNN prepacked "
-                        "float32; onednn: prepacked float32 only; stock: plain PyTorch (default: %(default)s)")
+                   help="CPU linears. q8: the GGUF's Q4_1/Q8_0 blocks for the default model with the inputs quantised "
+                        "to Q8 blocks (llama.cpp's arithmetic), else oneDNN prepacked float32; packed: the same blocks in "
+                        "float32 arithmetic; onednn: prepacked float32 only; stock: plain PyTorch (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
     p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = KernelBenchConfig()
     kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
     kn.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
+    kn.add_argument("--kernels", default=ModelConfig().kernels, choices=["q8", "packed"],
+                    help="the served kernels timed against stock: see --kernels of generate (default: %(default)s)")
     kn.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
     kn.add_argument("--reps", type=positive_int, default=k.reps, help="timed rounds, medians reported (default: %(default)s)")
     kn.add_argument("--context", type=positive_int, default=k.context, help="cached tokens a tree attends to (default: %(default)s)")
@@ -448,7 +451,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        rt = load_runtime(ModelConfig(model=args.model, dtype="float32", device="cpu", kernels="packed"))
+        rt = load_runtime(ModelConfig(model=args.model, dtype="float32", device="cpu", kernels=args.kernels))
         if not is_packed(rt.model):
             raise UsageError("packed kernels need PyTorch with oneDNN on this CPU: there is nothing to compare here")
         cfg = KernelBenchConfig(reps=args.reps, context=args.context)

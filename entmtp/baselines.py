@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from typing import Iterator
 
 import torch
@@ -39,8 +40,11 @@ def hf_generate(
     gen: GenerationConfig = GenerationConfig(),
     lookup: PromptLookupConfig | None = None,
     pad_token_id: int | None = None,
+    stock: bool = True,
 ) -> Iterator[StepRecord]:
-    """`model.generate` (greedy, or sampling at temperature > 0), one record per forward."""
+    """`model.generate` (greedy, or sampling at temperature > 0), one record per forward; `stock`:
+    with PyTorch's own kernels, as a user of transformers runs the model, else on the model as
+    served (the engine's kernels inside transformers' forward: the losslessness oracle)."""
     name = "hf-lookup" if lookup else "hf"
     device = model.get_output_embeddings().weight.device
     out: queue.Queue = queue.Queue()
@@ -62,7 +66,7 @@ def hf_generate(
         try:
             if gen.temperature > 0:
                 torch.manual_seed(gen.seed)
-            with torch.inference_mode(), stock_kernels():  # transformers as a user gets it
+            with torch.inference_mode(), stock_kernels() if stock else nullcontext():
                 model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         except Exception as e:  # handed to the consuming thread, which re-raises it
             out.put(("error", time.perf_counter(), e))

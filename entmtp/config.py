@@ -37,10 +37,12 @@ BANKS_DIR = ROOT / "banks"
 TREES_FILE = ROOT / "entmtp" / "trees.json"
 
 
-# CPU kernels for the base model's linear layers. packed: a GGUF's own Q4_1/Q8_0 blocks where the
-# weights come from one and the kernels build (quant.py), oneDNN's prepacked float32 for the rest
-# (kernels.py); onednn: prepacked float32 only; stock: PyTorch's F.linear, as transformers runs.
-KERNELS = ("packed", "onednn", "stock")
+# CPU kernels for the base model's linear layers. q8: a GGUF's own Q4_1/Q8_0 blocks where the
+# weights come from one and the kernels build, with the inputs quantised to Q8 blocks as llama.cpp
+# computes them (quant.py); packed: the same blocks in float32 arithmetic (the values of the float32
+# model); both use oneDNN's prepacked float32 for the rest (kernels.py); onednn: prepacked float32
+# only; stock: PyTorch's F.linear, as transformers runs.
+KERNELS = ("q8", "packed", "onednn", "stock")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"  # tree masks need eager or sdpa, never flash-attention-2
     cache_dir: Path | None = None  # where the dequantised default model is kept (None: ~/.cache/entmtp)
-    kernels: str = "packed"  # one of KERNELS
+    kernels: str = "q8"  # one of KERNELS
 
 
 @dataclass(frozen=True)

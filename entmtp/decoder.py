@@ -151,7 +151,11 @@ def fuse(model: nn.Module) -> bool:
                     mlp.down_proj.qs, mlp.down_proj.d, mlp.down_proj.m]
     cfg, attn0 = model.config, base.layers[0].self_attn
     eps = base.layers[0].input_layernorm.variance_epsilon
-    stack = ext.Stack(weights, cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim, float(eps), float(attn0.scaling))
+    q8 = {m.q8 for m in linears}
+    if len(q8) != 1:
+        return False
+    stack = ext.Stack(weights, cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim, float(eps), float(attn0.scaling),
+                      q8.pop())
     attend = _attention(ext)
     for layer in base.layers:
         layer.input_layernorm = FusedRMSNorm(layer.input_layernorm, ext)

@@ -191,15 +191,16 @@ def is_packed(module: nn.Module) -> bool:
 
 
 def label(model: nn.Module) -> str:
-    """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-blocks"
-    (`quant.GGUFLinear`), "packed" (oneDNN float32) or "stock", plus "+fused" where the GGUF extension runs the
+    """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-q8" or
+    "gguf-blocks" (`quant.GGUFLinear` with Q8 or float32 inputs), "packed" (oneDNN float32) or "stock", plus "+fused" where the GGUF extension runs the
     whole layer (`decoder.fuse`), else "+lean" where the engine runs the model through `decoder.forward`."""
     from . import decoder
     from .quant import GGUFLinear
 
     mods = list(model.modules())
-    if any(isinstance(m, GGUFLinear) for m in mods):
-        name = "gguf-blocks"
+    gguf = [m for m in mods if isinstance(m, GGUFLinear)]
+    if gguf:
+        name = "gguf-q8" if any(m.q8 for m in gguf) else "gguf-blocks"
     else:
         name = "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
     if decoder.fused(model):

@@ -229,11 +229,11 @@ def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None)
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(device)
-    if cfg.kernels == "packed" and weights.gguf is not None and device.type == "cpu" and dtype == torch.float32:
-        attached = quant.attach(model, weights.gguf)  # read the GGUF's blocks directly where the kernels build
+    if cfg.kernels in ("q8", "packed") and weights.gguf is not None and device.type == "cpu" and dtype == torch.float32:
+        attached = quant.attach(model, weights.gguf, q8=cfg.kernels == "q8")  # read the GGUF's blocks directly where the kernels build
         if attached["error"]:
             print(f"entmtp: serving float32 with oneDNN: the GGUF block kernels are off here ({attached['error']})", file=sys.stderr)
-    if cfg.kernels in ("packed", "onednn"):
+    if cfg.kernels in ("q8", "packed", "onednn"):
         kernels.pack_linears(model)  # the remaining float32 linears; CPU only, a no-op on GPUs
         kernels.use_tree_attention(model)  # grouped-query tree blocks without copying key/value heads
         if quant.is_attached(model):
@@ -398,7 +398,12 @@ class Runtime:
             raise LoadError(f"{method}: {e}") from None
 
     def run(self, method: str, task: str, prompt_ids: list[int], gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
-        """One per-step generator for every method: the engine's loop or transformers `generate`."""
+        """One per-step generator for every method: the engine's loop or transformers `generate`
+        (`hf`, `hf-lookup`: with stock kernels; `oracle`: on the model as served, untimed use only)."""
+        if method == "oracle":
+            self.engine.check(prompt_ids, gen)
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.engine_eos()
+            return hf_generate(self.model, prompt_ids, gen, None, pad, stock=False)
         if method in ("hf", "hf-lookup"):
             if gen.typical:
                 raise LoadError(f"{method} has no typical acceptance")
@@ -407,6 +412,13 @@ class Runtime:
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.engine_eos()
             return hf_generate(self.model, prompt_ids, gen, lookup, pad)
         return self.engine.generate(prompt_ids, self.strategy(method, task), gen)
+
+    def served_differs(self) -> bool:
+        """Whether the served arithmetic is not float32's (Q8 inputs, `--kernels q8`), so that stock
+        transformers (`hf`) may decode other tokens than the model as served."""
+        from .quant import GGUFLinear
+
+        return any(isinstance(m, GGUFLinear) and m.q8 for m in self.model.modules())
 
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None

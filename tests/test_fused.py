@@ -55,9 +55,10 @@ def test_attention_matches_sdpa_and_each_query_stands_alone():
     assert torch.equal(causal, ext().attention(q, k, v, full, dim ** -0.5))
 
 
-def blocked_llama(seed: int = 0) -> LlamaForCausalLM:
+def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:
     """A tiny Llama (dimensions multiples of 32) whose projections are random Q4_1 blocks and whose
-    LM head is Q8_0, each a `GGUFLinear` on the float32 weights its blocks dequantise to."""
+    LM head is Q8_0, each a `GGUFLinear` on the float32 weights its blocks dequantise to (`q8`: the
+    projections take Q8 inputs, as `--kernels q8` serves)."""
     torch.manual_seed(seed)
     cfg = tiny_config(96, 256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
@@ -72,21 +73,23 @@ def blocked_llama(seed: int = 0) -> LlamaForCausalLM:
         if kind == "q8_0":
             d = d * 4.0  # peakier logits: exercises acceptance (exact: a power of two)
         parent, _, attr = name.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, quant.GGUFLinear(weight, kind, qs, d, m))
+        setattr(modules[parent] if parent else model, attr, quant.GGUFLinear(weight, kind, qs, d, m, q8))
     kernels.use_tree_attention(model)
-    assert decoder.fuse(model) and kernels.label(model) == "gguf-blocks+fused"
+    assert decoder.fuse(model) and kernels.label(model) == ("gguf-q8+fused" if q8 else "gguf-blocks+fused")
     return model
 
 
-def test_fused_stack_equals_transformers_forward():
-    check_steps(blocked_llama(), 11, 96)
+@pytest.mark.parametrize("q8", [False, True])
+def test_fused_stack_equals_transformers_forward(q8):
+    check_steps(blocked_llama(0, q8), 11, 96)
 
 
-def test_fused_engine_equals_its_generate(monkeypatch):
+@pytest.mark.parametrize("q8", [False, True])
+def test_fused_engine_equals_its_generate(monkeypatch, q8):
     calls = []
     stack_forward = decoder._stack_forward
     monkeypatch.setattr(decoder, "_stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
-    model = blocked_llama(1)
+    model = blocked_llama(1, q8)
     heads = random_heads(model)
     engine = Engine(model, [])
     gen = GenerationConfig(max_new_tokens=40)
@@ -97,6 +100,36 @@ def test_fused_engine_equals_its_generate(monkeypatch):
             strategy = Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads)
             assert collect(engine.generate(prompt, strategy, gen)).token_ids == ref, (tree.name, prompt)
     assert calls  # the engine ran the stack, not transformers
+
+
+def q8_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 weights times Q8-quantised inputs, in float64: per block of 32, d_x = max|x| / 127,
+    q_x = x / d_x rounded to even, d_w * d_x * sum(q_w * q_x) + m_w * d_x * sum(q_x)."""
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    dx = (amax / 127).double()
+    qx = torch.round(xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).double()
+    lo, hi = (qs & 0x0F).double(), (qs >> 4).double()
+    qw = torch.cat([lo.view(-1, k // 32, 16), hi.view(-1, k // 32, 16)], -1)  # [n, blocks, 32]
+    dots = torch.einsum("rbi,nbi->rnb", qx, qw)
+    return (dots * d.double()[None] * dx[:, None] + m.double()[None] * (dx * qx.sum(-1))[:, None]).sum(-1)
+
+
+def test_q8_linear_is_llamacpp_arithmetic_and_batch_invariant():
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((70, 96), (13, 576)):
+        qs, d, m = quant._split_blocks(random_blocks("q4_1", n, k, seed=n), "q4_1")
+        x = torch.randn(9, k, generator=g) * torch.rand(1, k, generator=g) * 4
+        x[2, :32] = 0  # an all-zero block: scale 0
+        got = ext().q4_1_linear_q8(x, qs, d, m)
+        ref = q8_reference(x, qs, d, m)
+        assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for rows in (range(9), range(0, 9, 2), [4]):  # each row computes the same bits in any batch
+            rows = list(rows)
+            assert torch.equal(ext().q4_1_linear_q8(x[rows], qs, d, m), got[rows])
+        exact = x @ quant._dequantize(qs, d, m).T  # the float32 model's product, within quantisation error
+        assert ((got - exact).norm() / exact.norm()) < 0.02
 
 
 def test_stack_takes_additive_and_bool_masks_alike():

@@ -106,7 +106,17 @@ def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear) and m.weight is not None]  # not the fused copies
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
     assert served.model.get_output_embeddings() in layers
-    assert kernels.label(served.model) == "gguf-blocks+fused" and served.fingerprint["kernels"] == "gguf-blocks+fused"
+    assert kernels.label(served.model) == "gguf-q8+fused" and served.fingerprint["kernels"] == "gguf-q8+fused"
+    assert all(m.q8 == (m.kind == "q4_1") for m in layers)  # Q8 inputs to the projections; the Q8_0 LM head in float32
+    assert served.served_differs()
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_float32_blocks_stay_selectable():
+    model, _ = load_model(ModelConfig(kernels="packed"))
+    assert kernels.label(model) == "gguf-blocks+fused"
+    assert not any(getattr(m, "q8", False) for m in model.modules())
 
 
 @needs_kernels

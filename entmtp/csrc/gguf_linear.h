@@ -1,4 +1,5 @@
-// x @ W.T for W kept as GGUF blocks (gguf_linear.cpp); each output summed in one fixed order.
+// x @ W.T for W kept as GGUF blocks (gguf_linear.cpp), with float32 or Q8 activations; each
+// output summed in one fixed order.
 #pragma once
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -14,3 +15,4 @@ inline float hsum(__m256 v) {
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor q4_1_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);

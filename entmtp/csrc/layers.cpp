@@ -241,14 +241,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 
 // The layer stack of a Llama model whose projections are Q4_1 blocks, for one sequence (batch 1).
 // Per layer, 14 tensors: input norm weight; q/k/v fused (qs, d, m); o (qs, d, m); post-attention
-// norm weight; gate/up fused (qs, d, m); down (qs, d, m).
+// norm weight; gate/up fused (qs, d, m); down (qs, d, m). `q8`: the projections take Q8 activations.
 struct Stack {
   std::vector<torch::Tensor> w;
   int64_t heads, kv_heads, dim;
   double eps, scale;
+  torch::Tensor (*linear)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 
-  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale)
-      : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale) {
+  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale, bool q8)
+      : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale),
+        linear(q8 ? &q4_1_linear_q8 : &q4_1_linear) {
     TORCH_CHECK(w.size() % 14 == 0, "Stack: 14 tensors per layer expected");
     TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "Stack: unsupported head layout");
   }
@@ -279,7 +281,7 @@ struct Stack {
                       vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
       const int64_t cap = kb.size(2);
       auto h = rms_norm(x, t[0], eps);
-      auto qkv = q4_1_linear(h, t[1], t[2], t[3]);
+      auto qkv = linear(h, t[1], t[2], t[3]);
       auto qr = torch::empty({heads, Q, D}, x.options());
       {
         const float* src = qkv.data_ptr<float>();
@@ -299,12 +301,12 @@ struct Stack {
       auto att = torch::empty({Q, heads * D}, x.options());
       attend({qr.data_ptr<float>(), 0, Q * D, D}, {kb.data_ptr<float>(), 0, cap * D, D}, {vb.data_ptr<float>(), 0, cap * D, D}, 1,
              heads, kv_heads, Q, L, D, static_cast<float>(scale), vis, att.data_ptr<float>());
-      x = x + q4_1_linear(att, t[4], t[5], t[6]);
+      x = x + linear(att, t[4], t[5], t[6]);
       auto h2 = rms_norm(x, t[7], eps);
-      auto gu = q4_1_linear(h2, t[8], t[9], t[10]);
+      auto gu = linear(h2, t[8], t[9], t[10]);
       const int64_t I = gu.size(1) / 2;
       auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-      x = x + q4_1_linear(a, t[11], t[12], t[13]);
+      x = x + linear(a, t[11], t[12], t[13]);
     }
     return x;
   }
@@ -313,10 +315,11 @@ struct Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in GGUF Q4_1 blocks");
   mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in GGUF Q8_0 blocks");
+  mod.def("q4_1_linear_q8", &q4_1_linear_q8, "x @ W.T with W in GGUF Q4_1 blocks, x quantised to Q8 blocks");
   mod.def("rms_norm", &rms_norm, "LlamaRMSNorm, one row at a time");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up");
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   pybind11::class_<Stack>(mod, "Stack")
-      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
       .def("forward", &Stack::forward);
 }

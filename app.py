@@ -197,7 +197,7 @@ we can *guess* several future tokens cheaply and let the model **verify all gues
    The accepted path (orange) is emitted; the rest is thrown away. **The output is exactly the
    model's own output**, only faster. The *identical output* badge checks, token by token, that
    EntMTP and the baseline emitted the same tokens; the project's test suite checks every method
-   against transformers' own `generate`.
+   against transformers' own `generate` on the model as served.
 
 ### Why EntMTP
 A big tree (Hydra's 63 nodes) accepts more tokens per step but every step costs more, and on a

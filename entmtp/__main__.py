@@ -290,7 +290,8 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     # Hydra++ heads go beside the mlp ones (hydra-prefix/), never over them
     sub = {k: "hydra-prefix" if args.arch == "prefix-mlp" else k for k in kinds}
     out = {k: Path(args.out) / sub[k] if args.out else default_heads_dir(args.model, sub[k]) for k in kinds}
-    rt = load_runtime(ModelConfig(model=args.model, device=args.device))  # float32 teacher
+    # float32 teacher: the stored answers are the float32 model's (answers.repo_store)
+    rt = load_runtime(ModelConfig(model=args.model, device=args.device, kernels="packed"))
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     if not eos:

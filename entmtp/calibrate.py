@@ -591,4 +591,4 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).bank[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
-                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name))
+                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name, rt.arithmetic))

@@ -77,7 +77,7 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
                            end, TrainConfig(arch="prefix-mlp" if prefix else "mlp"), work, "calib", progress is not None,
                            repo_store(rt.name))
-    store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name)
+    store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
     items = {task: [rt.encode(it["prompt"]) for it in eval_prompt_file(task, n)] for task, n in prompts_per_task.items()}
     conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}
     report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "max_new_tokens": max_new_tokens,

@@ -420,6 +420,11 @@ class Runtime:
 
         return any(isinstance(m, GGUFLinear) and m.q8 for m in self.model.modules())
 
+    @property
+    def arithmetic(self) -> str:
+        """What keys stored greedy continuations apart by the served arithmetic: "+q8" or ""."""
+        return "+q8" if self.served_differs() else ""
+
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None
 

@@ -81,3 +81,23 @@ def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):
     out = run_bench(rt, [{"prompt": "hello", "task": "chat"}], ["ar", "hydra", "entmtp-static"], BenchConfig(max_new_tokens=8, warmup_new_tokens=2))
     assert all("lossless" not in r and r["same_as_ar"] is True for r in out["results"])
     assert "same_as_ar" in table(out["results"]).splitlines()[0]
+
+
+def test_a_served_oracle_decides_losslessness():
+    """Where the served arithmetic is not float32's, an untimed `generate` on the served model (the
+    `oracle` rows) decides `lossless`; stock float32 `hf` rows say whether they matched it."""
+    from entmtp.bench import aggregate, check_cell
+
+    phases = {"schedule": 1.0, "draft": 0.0, "verify": 1.0, "accept": 0.0, "kv": 0.0}
+    rows = []
+    for p, (served, stock) in enumerate([([1, 2, 3], [1, 2, 4]), ([5, 6], [5, 6])]):
+        rows.append({"prompt": p, "task": "chat", "method": "oracle", "token_ids": served})
+        for m, ids in (("ar", served), ("entmtp-tau", served), ("hf", stock)):
+            rows.append({"prompt": p, "task": "chat", "method": m, "tokens": len(ids), "steps": len(ids), "seconds": 1.0,
+                         "prefill_ms": 0.0, "phase_ms": phases if m != "hf" else dict.fromkeys(phases, 0.0), "token_ids": ids})
+    res = {r["method"]: r for r in aggregate(rows, ["ar", "entmtp-tau", "hf"])}
+    assert res["ar"]["lossless"] and res["entmtp-tau"]["lossless"] and "stock_float32" not in res["ar"]
+    assert res["hf"]["stock_float32"] and not res["hf"]["lossless"] and check_cell(res["hf"]) == "differs"
+    rows = [r for r in rows if r["method"] != "oracle"]  # without an oracle, `hf` is the reference
+    res = {r["method"]: r for r in aggregate(rows, ["ar", "entmtp-tau", "hf"])}
+    assert not res["ar"]["lossless"] and res["hf"]["lossless"] and check_cell(res["ar"]) == "NO"

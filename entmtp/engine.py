@@ -90,6 +90,9 @@ class Engine:
         self.device = model.get_output_embeddings().weight.device
         self._warm: set[int] = set()
         self.warmup_ms: dict[int, float] = {}  # tree size -> ms its first forward shapes took (`warmup`)
+        from .quant import block_limit
+
+        self.max_block = block_limit(model)  # most nodes a tree may have (Q8 arithmetic), or None
 
     def new_cache(self):
         return kv.new_cache(self.model.config)
@@ -113,6 +116,10 @@ class Engine:
     def generate(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
         """Decode from `prompt_ids`: one record per step until EOS or the budget. Checks eagerly."""
         self.check(prompt_ids, gen)
+        big = max(t.n_nodes for t in strategy.bank.trees)
+        if self.max_block is not None and big > self.max_block:
+            raise GenerationError(f"a tree of {big} nodes is more than the {self.max_block} one step may verify with Q8 "
+                                  "inputs (larger blocks compute in float32); use --kernels packed")
         return self._decode(list(prompt_ids), strategy, gen)
 
     def check(self, prompt_ids: list[int], gen: GenerationConfig) -> None:

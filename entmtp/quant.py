@@ -286,5 +286,14 @@ def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[st
     return {"layers": count, "skipped": skipped, "error": None}
 
 
+def block_limit(model: nn.Module) -> int | None:
+    """The most tokens one forward may verify with the arithmetic of a single token: where the Q4_1
+    layers take Q8 inputs, calls of more rows (prompts) compute in float32 (`q4_1_linear_q8`), so a
+    tree must stay within this many nodes; None where any size computes alike."""
+    if not any(isinstance(m, GGUFLinear) and m.q8 for m in model.modules()):
+        return None
+    return int(extension().q8_max_rows())
+
+
 def is_attached(model: nn.Module) -> bool:
     return any(isinstance(m, GGUFLinear) for m in model.modules())

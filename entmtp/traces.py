@@ -106,8 +106,12 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     model, device = engine.model, engine.device
     n = len(continuation)
     seq = torch.tensor([prompt + continuation[:-1]], device=device)  # the last token is never a feature
-    hidden, logits = verify.forward(model, engine.new_cache(), seq, torch.arange(seq.shape[1], device=device)[None], None)
-    L = len(prompt)
+    # the prompt in one forward, as the engine reads it; then the continuation in blocks no larger
+    # than a step may verify, so each token gets the arithmetic it gets when decoded (quant.block_limit)
+    L, cache, block = len(prompt), engine.new_cache(), engine.max_block or seq.shape[1]
+    outs = [verify.forward(model, cache, seq[:, a:b], torch.arange(a, b, device=device)[None], None)
+            for a, b in [(0, L)] + [(i, min(i + block, seq.shape[1])) for i in range(L, seq.shape[1], block)]]
+    hidden, logits = torch.cat([h for h, _ in outs]), torch.cat([z for _, z in outs])
     feats = head_features(heads, hidden)[L - 1 :]  # (N, H): feature at the last committed token of each step
     logp = torch.log_softmax(logits[L - 1 :].float(), -1)  # (N, V)
     probs = logp.exp()

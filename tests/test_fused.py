@@ -152,3 +152,31 @@ def test_stack_takes_additive_and_bool_masks_alike():
         decoder.forward(model, cache, ids, torch.arange(11)[None], None)
         hidden_past = torch.cat([torch.full((5, 1), torch.finfo(torch.float32).min), torch.zeros(5, 10), block], 1)[None, None]
         assert decoder.forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], hidden_past) is None
+
+
+def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
+    """Up to `q8_max_rows` rows a call takes Q8 inputs, each row as alone; a larger call (a prompt)
+    computes in float32. A long prompt, decoding and traces all agree with `generate`."""
+    from entmtp import traces as tr
+
+    e, g = ext(), torch.Generator().manual_seed(4)
+    limit = e.q8_max_rows()
+    qs, d, m = quant._split_blocks(random_blocks("q4_1", 40, 96, seed=4), "q4_1")
+    x = torch.randn(limit + 1, 96, generator=g)
+    assert torch.equal(e.q4_1_linear_q8(x, qs, d, m), e.q4_1_linear(x, qs, d, m))
+    assert torch.equal(e.q4_1_linear_q8(x[:limit], qs, d, m)[-1], e.q4_1_linear_q8(x[limit - 1 : limit], qs, d, m)[0])
+    model = blocked_llama(3, q8=True)
+    engine, heads = Engine(model, []), random_heads(model)
+    assert engine.max_block == limit
+    trees = [compile_tree([], "ar"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
+    prompt = [int(t) for t in torch.randint(1, 96, (limit + 6,), generator=g)]
+    ref = reference(model, prompt, 30)
+    trace = tr.record(engine, heads, prompt, ref, 3)
+    for i, tree in enumerate(trees):
+        real = collect(engine.generate(prompt, Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads),
+                                       GenerationConfig(max_new_tokens=30)))
+        assert real.token_ids == ref, tree.name
+        assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
+    big = compile_tree([[i] for i in range(limit)], "too-big")  # limit + 1 nodes: its block would compute in float32
+    with pytest.raises(Exception, match="use --kernels packed"):
+        engine.generate(prompt, Strategy("big", TopologyBank.of(big), StaticPolicy(0), heads))

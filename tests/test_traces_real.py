@@ -64,8 +64,9 @@ def test_float32_heads_simulate_exactly():
     assert agree >= 0.9 and abs(len(real_picks) - len(sim_picks)) <= 2, (agree, len(real_picks), len(sim_picks))
 
 
-def test_packed_heads_simulate_exactly():
-    rows, (real_picks, sim_picks) = rollout_vs_simulation("packed", "chat", 2)
+@pytest.mark.parametrize("base", ["packed", "q8"])
+def test_packed_heads_simulate_exactly(base):
+    rows, (real_picks, sim_picks) = rollout_vs_simulation(base, "chat", 2)
     exact = kernels.int8_available("cpu")
     for name, real_steps, sim_steps, real_tokens, sim_tokens in rows:
         assert real_tokens == sim_tokens, name

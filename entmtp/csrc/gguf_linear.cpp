@@ -8,7 +8,9 @@
 // Q8 activations (`q4_1_linear_q8`), llama.cpp's arithmetic for Q4_1: each input row is quantised
 // in blocks of 32 to int8 with a scale (d = max|x| / 127, q = x / d rounded to nearest even,
 // s = d * sum q), and a block contributes d_w * d_x * sum(q_w * q_x), its integer sum exact, plus
-// m_w * s_x.
+// m_w * s_x. That is faster here for a few rows (no weight becomes a float) and slower for many,
+// so a call of more than kQ8MaxRows rows (a prompt, never a decode step: no tree is that big)
+// computes in float32 instead; which arithmetic a row gets depends on its call's size only.
 //
 // In both, each output element is summed in the same order whatever the number of input rows and
 // whichever thread computes it, so a row's result never depends on the batch it is in: a tree
@@ -22,6 +24,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kQ8MaxRows = 64;  // larger calls compute in float32 (q4_1_linear_q8)
 
 // Q4_1 block: 16 bytes of nibbles; byte j holds element j (low nibble) and element j + 16 (high).
 // Its 32 weights, w = d * q + m, as four 8-lane vectors.
@@ -299,10 +302,14 @@ torch::Tensor run_q8(const torch::Tensor& x_in, int64_t N, int64_t K, const W& B
 
 }  // namespace
 
+int64_t q8_max_rows() { return kQ8MaxRows; }
+
 torch::Tensor q4_1_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, blocks = K / kBlock;
   TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(), "gguf linear: Q4_1 nibbles must be uint8 [out, in / 2]");
   check_blocks(d, N, K);
   check_blocks(m, N, K);
+  if (x.numel() / K > kQ8MaxRows)  // a prompt's block: float32, where the integer tiles are slower
+    return run(x, N, K, Q41{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K, blocks});
   return run_q8(x, N, K, Q41i{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K, blocks});
 }

@@ -15,4 +15,5 @@ inline float hsum(__m256 v) {
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+int64_t q8_max_rows();
 torch::Tensor q4_1_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);

@@ -316,6 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in GGUF Q4_1 blocks");
   mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in GGUF Q8_0 blocks");
   mod.def("q4_1_linear_q8", &q4_1_linear_q8, "x @ W.T with W in GGUF Q4_1 blocks, x quantised to Q8 blocks");
+  mod.def("q8_max_rows", &q8_max_rows, "q4_1_linear_q8 takes calls of more rows in float32");
   mod.def("rms_norm", &rms_norm, "LlamaRMSNorm, one row at a time");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up");
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");

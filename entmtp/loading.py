@@ -422,8 +422,12 @@ class Runtime:
 
     @property
     def arithmetic(self) -> str:
-        """What keys stored greedy continuations apart by the served arithmetic: "+q8" or ""."""
-        return "+q8" if self.served_differs() else ""
+        """What keys stored greedy continuations apart by the served arithmetic: "+q8/64" (Q8 inputs
+        for calls of up to 64 rows, `quant.block_limit`) or "" (float32)."""
+        from .quant import block_limit
+
+        limit = block_limit(self.model)
+        return f"+q8/{limit}" if limit is not None else ""
 
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None

@@ -416,18 +416,13 @@ class Runtime:
     def served_differs(self) -> bool:
         """Whether the served arithmetic is not float32's (Q8 inputs, `--kernels q8`), so that stock
         transformers (`hf`) may decode other tokens than the model as served."""
-        from .quant import GGUFLinear
-
-        return any(isinstance(m, GGUFLinear) and m.q8 for m in self.model.modules())
+        return self.engine.max_block is not None
 
     @property
     def arithmetic(self) -> str:
         """What keys stored greedy continuations apart by the served arithmetic: "+q8/64" (Q8 inputs
         for calls of up to 64 rows, `quant.block_limit`) or "" (float32)."""
-        from .quant import block_limit
-
-        limit = block_limit(self.model)
-        return f"+q8/{limit}" if limit is not None else ""
+        return "" if self.engine.max_block is None else f"+q8/{self.engine.max_block}"
 
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None

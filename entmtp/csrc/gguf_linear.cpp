@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <type_traits>
 
 namespace {
 
@@ -94,19 +95,25 @@ inline void tile(const float* w, const float* x, int64_t K, float* y, int64_t N)
     for (int c = 0; c < C; ++c) y[r * N + c] = hsum(acc[r][c]);
 }
 
+// M input rows in groups of R, then the 1-3 left: tile(std::integral_constant<int, rows>, first row).
+template <int R, typename Tile>
+inline void row_groups(int64_t M, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + R <= M; r += R) tile(std::integral_constant<int, R>{}, r);
+  switch (M - r) {
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 // R input rows against C weight rows at a time: R * C accumulators in flight hide the FMA latency
 // (one 8-lane accumulator per output, so the tile shape never changes a result).
 template <int C>
 inline void panel(const float* w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
   constexpr int R = C >= 8 ? 1 : C >= 4 ? 2 : 4;  // at most 12 accumulators plus C weight slices in registers
-  int64_t r = 0;
-  for (; r + R <= M; r += R) tile<R, C>(w, x + r * K, K, y + r * N, N);
-  switch (M - r) {
-    case 3: tile<3, C>(w, x + r * K, K, y + r * N, N); break;
-    case 2: tile<2, C>(w, x + r * K, K, y + r * N, N); break;
-    case 1: tile<1, C>(w, x + r * K, K, y + r * N, N); break;
-    default: break;
-  }
+  row_groups<R>(M, [&](auto rows, int64_t r) { tile<decltype(rows)::value, C>(w, x + r * K, K, y + r * N, N); });
 }
 
 // Weight rows are dequantised a panel at a time (4 rows for one or two input rows, else 3) into a
@@ -264,14 +271,7 @@ inline void tile_q8(const W& B, const Q8Rows& A, int64_t r0, int64_t n, float* y
 template <int C, typename W>
 inline void panel_q8(const W& B, const Q8Rows& A, int64_t M, int64_t n, float* y, int64_t N) {
   constexpr int R = C >= 4 ? 2 : 4;  // R * C accumulators, C weight blocks and one input block in registers
-  int64_t r = 0;
-  for (; r + R <= M; r += R) tile_q8<R, C>(B, A, r, n, y, N);
-  switch (M - r) {
-    case 3: tile_q8<3, C>(B, A, r, n, y, N); break;
-    case 2: tile_q8<2, C>(B, A, r, n, y, N); break;
-    case 1: tile_q8<1, C>(B, A, r, n, y, N); break;
-    default: break;
-  }
+  row_groups<R>(M, [&](auto rows, int64_t r) { tile_q8<decltype(rows)::value, C>(B, A, r, n, y, N); });
 }
 
 template <typename W>

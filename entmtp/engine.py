@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import drafting, kv, verify
+from . import drafting, graphs, kv, verify
 from .bank import TopologyBank
 from .config import GenerationConfig
 from .heads import DraftHeads
@@ -82,7 +82,7 @@ class StepRecord:
 class Engine:
     """A base causal LM plus the decode loop. Sees token ids and tensors only."""
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int] | tuple[int, ...] = ()):
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graphs: bool = True):
         self.model = model.eval()
         self.eos = set(int(t) for t in eos_token_ids)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -93,21 +93,31 @@ class Engine:
         from .quant import block_limit
 
         self.max_block = block_limit(model)  # most nodes a tree may have (Q8 arithmetic), or None
+        self.graphs = graphs.Graphs.of(model, cuda_graphs)  # CUDA graphs for tree verification, or None (eager)
 
     def new_cache(self):
         return kv.new_cache(self.model.config)
 
+    def _request_cache(self, need: int):
+        """A decode's cache: a CUDA-graph slot with room for `need` entries where graphs apply
+        (and one is free), else the buffered dynamic cache."""
+        cache = self.graphs.cache(min(need, self.max_positions)) if self.graphs is not None else None
+        return cache if cache is not None else self.new_cache()
+
     @torch.inference_mode()
     def warmup(self, sizes: list[int], context: int = 64) -> None:
-        """Run each forward shape once (bf16 kernels are built on first use), outside any clock;
-        the time each size took is kept in `warmup_ms`."""
+        """Run each forward shape once (bf16 kernels are built on first use; with CUDA graphs each
+        size's graph is captured), outside any clock; the time each size took is kept in `warmup_ms`."""
         for n in sorted(set(sizes) - self._warm):
             t0 = time.perf_counter()
-            cache = self.new_cache()
-            ids = torch.zeros(1, context, dtype=torch.long, device=self.device)
-            verify.forward(self.model, cache, ids, torch.arange(context, device=self.device)[None], None)
-            tail = torch.zeros(1, n, dtype=torch.long, device=self.device)
-            verify.forward(self.model, cache, tail, torch.arange(context, context + n, device=self.device)[None], None)
+            lanes = 2 if self.graphs is not None else 1  # the app races two decodes: two graph slots
+            caches = [self._request_cache(context + n) for _ in range(lanes)]
+            for cache in caches:
+                ids = torch.zeros(1, context, dtype=torch.long, device=self.device)
+                verify.forward(self.model, cache, ids, torch.arange(context, device=self.device)[None], None)
+                tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+                verify.tree_forward(self.model, cache, _chain(n), tokens, context)
+            del caches
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -140,7 +150,7 @@ class Engine:
         rng = torch.Generator().manual_seed(gen.seed)
         choose = strategy.policy.chooser()
         ctx = heads.new_context() if heads is not None else None
-        cache = self.new_cache()
+        cache = self._request_cache(len(prompt_ids) + gen.max_new_tokens + max(t.n_nodes for t in bank.trees) + 1)
 
         clock = _clock(device)  # on CUDA each reading waits for the queued kernels
         t_start = clock()
@@ -235,6 +245,13 @@ class Engine:
             if reason:
                 return
             root = next_root
+
+
+def _chain(n: int):
+    """A chain of n nodes (the shape warm-up verifies at each size)."""
+    from .topology import compile_tree
+
+    return compile_tree([[0] * d for d in range(1, n)], f"chain{n}")
 
 
 def _clock(device: torch.device):

@@ -120,6 +120,11 @@ def commit(cache, past: int, accepted: list[int], n_tree: int) -> None:
     transformers has no sequence-select API, so per layer the accepted entries are gathered and
     copied in place to positions past..past+L-1, then the tail is cropped.
     """
+    from .graphs import Cache
+
+    if isinstance(cache, Cache):
+        cache.slot.commit(past, accepted, n_tree)
+        return
     n_keep = len(accepted)
     if accepted != list(range(n_keep)):  # a chain prefix needs no copy, only the crop
         src = torch.tensor(accepted, device=cache.layers[0].keys.device) + past

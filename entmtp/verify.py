@@ -6,14 +6,21 @@ import math
 
 import torch
 
-from . import decoder, kv
+from . import decoder, graphs, kv
 from .topology import Tree
 
 
 def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
     """One base-model forward. input_ids (1, Q) -> final normed hidden (Q, H), logits (Q, V).
     Llama models on a CPU take `decoder.forward` (the same arithmetic, bit for bit, with less
-    overhead); everything else runs transformers' forward."""
+    overhead); a CUDA-graph cache (`graphs.Cache`) runs its slot's forward eagerly (prompts vary
+    in length; `mask` is None, causal, or a 4-D additive mask whose cached columns are all visible);
+    everything else runs transformers' forward."""
+    if isinstance(cache, graphs.Cache):
+        slot, n = cache.slot, input_ids.shape[1]
+        past = slot.length
+        block = graphs.causal_block(n, slot.dtype, slot.device) if mask is None else mask[0, 0, :, past:]
+        return slot.block(input_ids[0], position_ids[0] - past, block, graph=False)
     lean = decoder.forward(model, cache, input_ids, position_ids, mask)
     if lean is not None:
         return lean
@@ -28,12 +35,23 @@ def tree_forward(model, cache, tree: Tree, tokens: torch.Tensor, past: int):
     device = tokens.device
     dtype = model.get_output_embeddings().weight.dtype
     n = tree.n_nodes
-    pos = (tree.depth_tensor.to(device) + past)[None]
+    if isinstance(cache, graphs.Cache):  # one CUDA graph per tree size over the static buffers
+        return cache.slot.block(tokens, _on(tree, "depth", device), tree.mask_block(cache.slot.dtype, device), graph=True)
+    pos = (_on(tree, "depth", device) + past)[None]
     if n == 1:  # plain decoding: the causal default is the mask; keeps generate's exact kernel path
         return forward(model, cache, tokens[None], pos, None)
     block = tree.mask_block(dtype, device)  # (N, N): 0 on ancestors (self included), min elsewhere
     mask = torch.cat([torch.zeros(n, past, dtype=dtype, device=device), block], dim=1)[None, None]
     return forward(model, cache, tokens[None], pos, mask)
+
+
+def _on(tree: Tree, what: str, device: torch.device) -> torch.Tensor:
+    """The tree's depth tensor on `device`, kept on the tree (a copy per step costs a transfer on a GPU)."""
+    cache = tree.__dict__.setdefault("_device_cache", {})
+    key = (what, str(device))
+    if key not in cache:
+        cache[key] = tree.depth_tensor.to(device)
+    return cache[key]
 
 
 def accept_greedy(tree: Tree, tokens: list[int], target: list[int]) -> tuple[list[int], int]:

@@ -175,7 +175,7 @@ def tree_strategies(trees: list[Tree], heads, kind: str) -> list[Strategy]:
     return [Strategy(f"{kind}/{t.name}", TopologyBank.of(t), StaticPolicy(0), heads if t.max_depth else None) for t in trees]
 
 
-def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes) -> tuple[int, list, list]:
+def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes, cuda_graphs: bool) -> tuple[int, list, list]:
     cases, failures, ties = 0, [], []
     for seed, vocab in ((0, 48), (5, 16)):  # vocab 16: random heads guess right often (long accepted paths); no bank node ranks past 15
         label = f"tiny-v{vocab}"
@@ -187,7 +187,7 @@ def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes) -
         strategies = tree_strategies(trees, heads["hydra"], "hydra") + tree_strategies([baseline], heads["medusa"], "medusa")
         for task, bank in banks.items():
             strategies += [Strategy(f"entmtp-{p}/{task}", bank, bank.policy(p), heads["hydra"]) for p in ("static", "ladder", "tau")]
-        c, f, t = check(model, Engine(model), strategies, prompts, refs, sizes.new_tokens, label)
+        c, f, t = check(model, Engine(model, cuda_graphs=cuda_graphs), strategies, prompts, refs, sizes.new_tokens, label)
         cases, failures, ties = cases + c, failures + f, ties + t
         log(f"  {label}: {c} cases, {len(f)} failures, {len(t)} ties")
     return cases, failures, ties
@@ -196,9 +196,9 @@ def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes) -
 # -- step costs -----------------------------------------------------------------------------------
 
 
-def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes) -> tuple[float, float]:
-    """(median ms of one decode step, ms of prefill + the first step): each `next` of the engine's
-    generator is one step, timed with the device synchronised on both sides."""
+def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes) -> tuple[float, float, dict]:
+    """(median ms of one decode step, ms of prefill + the first step, median ms per phase): each
+    `next` of the engine's generator is one step, timed with the device synchronised on both sides."""
     device = engine.device
     gen = GenerationConfig(max_new_tokens=6 * (sizes.warm_steps + sizes.timed_steps + 2))
     steps = engine.generate(prompt, strategy, gen)
@@ -207,16 +207,19 @@ def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes)
     next(steps)  # prefill and the first step
     sync(device)
     first = time.perf_counter() - t0
-    times = []
+    times, phases = [], []
     for i in range(sizes.warm_steps + sizes.timed_steps):
         sync(device)
         t0 = time.perf_counter()
-        if next(steps, None) is None:
+        record = next(steps, None)
+        if record is None:
             break
         sync(device)
         if i >= sizes.warm_steps:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, first * 1e3
+            phases.append(record.ms)
+    per_phase = {k: round(statistics.median(p[k] for p in phases), 3) for k in phases[0]}
+    return statistics.median(times) * 1e3, first * 1e3, per_phase
 
 
 def predict(bank: TopologyBank, step_costs: list[float], prefill_ms_per_token: float, baseline: tuple[Tree, float]) -> dict:
@@ -264,7 +267,7 @@ def preflight(device: torch.device) -> None:
         )
 
 
-def run(device: torch.device, quick: bool) -> dict:
+def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
     sizes = QUICK if quick else FULL
     baseline = load_named_trees(TREES_FILE)[BASELINE_TREE]
     banks = {task: resolve_bank(DEFAULT_MODEL, task) for task in TASKS}
@@ -272,14 +275,16 @@ def run(device: torch.device, quick: bool) -> dict:
 
     log(f"lossless on {device}: tiny models")
     preflight(device)
-    cases, failures, ties = check_tiny(device, trees, baseline, banks, sizes)
+    cases, failures, ties = check_tiny(device, trees, baseline, banks, sizes, cuda_graphs)
 
     log("lossless: random-weight default architecture with the shipped heads")
     model = default_arch(device, sizes.layers)
     prompts = random_prompts(model.config.vocab_size, sizes.prompts, 7)
     refs = [reference(model, p, sizes.new_tokens) for p in prompts]
     engine_kernels(model)
-    rt = Runtime(DEFAULT_MODEL, model, None, Engine(model))
+    rt = Runtime(DEFAULT_MODEL, model, None, Engine(model, cuda_graphs=cuda_graphs))
+    graphed = rt.engine.graphs is not None
+    log(f"  CUDA graphs: {'on' if graphed else 'off'}")
     strategies = [rt.strategy(m) for m in ("ar", "hydra", "medusa")]
     for task in TASKS if not quick else TASKS[:1]:
         for p in ("static", "ladder", "tau"):
@@ -291,17 +296,25 @@ def run(device: torch.device, quick: bool) -> dict:
     log(f"  default-arch: {c} cases, {len(f)} failures, {len(t)} ties")
     cases, failures, ties = cases + c, failures + f, ties + t
 
-    log(f"step costs at {sizes.context} tokens of context")
-    rt.engine.warmup(sorted({t.n_nodes for t in trees}), context=sizes.context)
+    log(f"step costs at {sizes.context} tokens of context" + (" (CUDA graphs, then eager)" if graphed else ""))
+    node_sizes = sorted({t.n_nodes for t in trees})
+    rt.engine.warmup(node_sizes, context=sizes.context)
+    eager = Engine(model, cuda_graphs=False) if graphed else None
+    if eager is not None:
+        eager.warmup(node_sizes, context=sizes.context)
     g = torch.Generator().manual_seed(11)
     context = torch.randint(1, model.config.vocab_size, (sizes.context,), generator=g).tolist()
-    costs, prefills = {}, []
+    costs, costs_eager, phases, prefills = {}, {}, {}, []
     for s in tree_strategies(trees, rt.heads("hydra"), "hydra"):
         name = s.bank[0].name
-        step, first = step_ms(rt.engine, s, context, sizes)
+        step, first, phases[name] = step_ms(rt.engine, s, context, sizes)
         costs[name] = round(step, 3)
         prefills.append((first - step) / sizes.context)
-        log(f"  {name:>14} {s.bank[0].n_nodes:3d} nodes {costs[name]:9.3f} ms")
+        line = f"  {name:>14} {s.bank[0].n_nodes:3d} nodes {costs[name]:9.3f} ms"
+        if eager is not None:
+            costs_eager[name] = round(step_ms(eager, s, context, sizes)[0], 3)
+            line += f"   eager {costs_eager[name]:9.3f} ms"
+        log(line)
     prefill_ms_per_token = max(0.0, statistics.median(prefills))
 
     log("predicted throughput from the banks")
@@ -314,7 +327,13 @@ def run(device: torch.device, quick: bool) -> dict:
         "model": {"arch": f"{DEFAULT_MODEL} architecture, random weights", "layers": model.config.num_hidden_layers},
         "lossless": {"cases": cases, "failures": failures[:20], "n_failures": len(failures), "ties": ties[:20], "n_ties": len(ties)},
         "context_tokens": sizes.context,
+        "cuda_graphs": graphed,
         "step_ms": costs,
+        "step_ms_eager": costs_eager,
+        "phase_ms": phases,
+        "warmup_ms": {"served": {str(k): v for k, v in sorted(rt.engine.warmup_ms.items())},
+                      "eager": {str(k): v for k, v in sorted(eager.warmup_ms.items())} if eager is not None else {},
+                      "capture_per_slot": {str(k): v for k, v in sorted(rt.engine.graphs.capture_ms().items())} if graphed else {}},
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
         "nodes": {t.name: t.n_nodes for t in trees},
         "predicted": predicted,
@@ -327,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     ap.add_argument("--quick", action="store_true", help="small sizes (1 layer, few cases, short runs), for a CPU")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="verify eagerly (default: one CUDA graph per tree size)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
     }
     try:
-        result.update(run(device, args.quick))
+        result.update(run(device, args.quick, not args.no_cuda_graphs))
         code = 0 if result["ok"] else 1
     except Exception as e:  # still one JSON line, naming the error; the traceback goes to stderr
         import traceback

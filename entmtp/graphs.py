@@ -1,0 +1,261 @@
+"""Tree verification as CUDA graphs: one captured forward per block size over static KV buffers.
+
+On a GPU a decode step of a small model is launch-bound: transformers' eager forward of
+SmolLM2-135M issues hundreds of kernels and their Python for microseconds of arithmetic each (on
+an NVIDIA H200, ~17 ms a step whatever the tree). A CUDA graph replays a recorded forward as one
+launch. Graphs need fixed shapes and fixed addresses, so:
+
+- `Slot` holds the keys and values of every layer in one preallocated buffer
+  [layers, kv_heads, capacity, head_dim] and the committed length; a new request takes a free
+  slot (two requests decoding side by side, as the app races them, take two).
+- `Slot.run` is the forward of a block of n new tokens at fixed shapes: embedding, per layer the
+  model's own RMSNorm and projections, rotary embedding at positions past + depth, the block's
+  keys and values written in place at past .. past + n - 1, attention of the block over the whole
+  buffer under a mask (committed positions visible, the tree's block mask over the new ones,
+  nothing beyond), the model's MLP; final norm and LM head. `past`, the tokens, the depths and the
+  block mask are device tensors the graph reads, so one graph per block size serves every tree of
+  that size at every context length up to the capacity.
+- The prompt runs the same function eagerly (its length varies); a tree block replays its size's
+  graph, captured on first use (`Engine.warmup` captures the bank's sizes ahead, outside any clock,
+  and reports the time each took). A request that outgrows the capacity gets a larger buffer and
+  fresh graphs.
+
+The arithmetic is the model's own modules', but attention reads a longer masked row than
+transformers' (which stops at past + n), so results can differ from `generate` in the last bits:
+greedy tokens can differ only where two logits tie within float noise (`scripts/gpu_check.py`
+reports such ties apart from failures). `ENTMTP_CUDA_GRAPHS=0`, `ModelConfig.cuda_graphs=False`
+or the CLI's `--no-cuda-graphs` keep the eager path. Supported: Llama-architecture models
+(`LlamaForCausalLM`) on CUDA; anything else decodes eagerly. On a CPU the same `Slot` runs
+eagerly (`capture=False`) so that tests can check its arithmetic without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENV = "ENTMTP_CUDA_GRAPHS"
+MIN_CAPACITY = 2048  # entries; a request that needs more doubles it (and recaptures)
+MAX_SLOTS = 4  # requests decoding at once with graphs; more decode eagerly
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off", "no")
+
+
+def supported(model: nn.Module) -> bool:
+    """A Llama-architecture model whose layers `Slot.run` computes as transformers does."""
+    cfg = model.config
+    if type(model).__name__ != "LlamaForCausalLM" or not hasattr(model, "model"):
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
+        return False
+    return getattr(cfg, "hidden_act", "") == "silu"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def causal_block(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(n, n) additive mask of a plain sequence: 0 on and below the diagonal, the minimum above."""
+    return torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+
+
+class Slot:
+    """Static KV buffers for one request at a time, and the graphs captured over them."""
+
+    def __init__(self, model: nn.Module, capacity: int, capture: bool):
+        cfg = model.config
+        base = model.model
+        attn = base.layers[0].self_attn
+        self.model, self.base, self.head = model, base, model.get_output_embeddings()
+        self.dtype, self.device = self.head.weight.dtype, self.head.weight.device
+        self.heads, self.kv_heads, self.dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        self.capture = capture
+        self.capacity = 0
+        self.length = 0  # committed entries
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.capture_ms: dict[int, float] = {}
+        self.busy = False
+        self._grow(capacity)
+
+    # -- buffers -------------------------------------------------------------------------------
+
+    def _grow(self, capacity: int) -> None:
+        n_layers = len(self.base.layers)
+        shape = (n_layers, self.kv_heads, capacity, self.dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.length:
+            k[:, :, : self.length] = self.k[:, :, : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v, self.capacity = k, v, capacity
+        self.cols = torch.arange(capacity, device=self.device)
+        self.past = torch.zeros((), dtype=torch.long, device=self.device)
+        self.graphs.clear()  # they read the old buffers
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def reserve(self, need: int) -> None:
+        """Room for `need` entries (the request's prompt, budget and largest tree)."""
+        if need > self.capacity:
+            cap = max(MIN_CAPACITY, self.capacity)
+            while cap < need:
+                cap *= 2
+            self._grow(cap)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    # -- the forward -----------------------------------------------------------------------------
+
+    def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor):
+        """n new tokens at positions past + depth, seeing the committed entries and the block mask
+        among themselves -> final normed hidden (n, H), logits (n, V). Writes their keys and values
+        at past .. past + n - 1. Every shape is fixed by n and the capacity."""
+        n = ids.shape[0]
+        base = self.base
+        x = base.embed_tokens(ids)[None]  # (1, n, H)
+        pos = (past + depth)[None]
+        cos, sin = base.rotary_emb(x, position_ids=pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rel = self.cols - past  # (cap,) column offsets from the block's first position
+        blocked = torch.finfo(self.dtype).min
+        visible = block.index_select(1, rel.clamp(0, n - 1))  # (n, cap)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        mask = torch.where(rel < 0, zero, torch.where(rel < n, visible, torch.full_like(zero, blocked)))
+        groups = self.heads // self.kv_heads
+        mask = mask.repeat(groups, 1)[None, None]  # queries of a group stacked over their key/value head
+        where = past + torch.arange(n, device=self.device)
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            residual = x
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, self.heads, self.dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, n, self.kv_heads, self.dim).transpose(1, 2)
+            v = attn.v_proj(h).view(1, n, self.kv_heads, self.dim).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = self.k[i], self.v[i]
+            keys.index_copy_(1, where, k[0])
+            values.index_copy_(1, where, v[0])
+            q = q.reshape(1, self.kv_heads, groups * n, self.dim)
+            out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=attn.scaling)
+            out = out.reshape(1, self.heads, n, self.dim).transpose(1, 2).reshape(1, n, -1)
+            x = residual + attn.o_proj(out)
+            residual = x
+            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = base.norm(x)[0]
+        return hidden, self.head(hidden)
+
+    def block(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, graph: bool):
+        """Verify n new tokens after the committed entries (graph: replay the size's graph,
+        capturing it first if needed); the cache then holds length + n entries."""
+        n = ids.shape[0]
+        if self.length + n > self.capacity:
+            self.reserve(self.length + n)
+        if not (graph and self.capture):
+            self.past.fill_(self.length)
+            out = self.run(ids, depth.to(self.device), block, self.past)
+        else:
+            if n not in self.graphs:
+                self._capture(n)
+            g, static, outs = self.graphs[n]
+            static["ids"].copy_(ids)
+            static["depth"].copy_(depth, non_blocking=True)
+            static["block"].copy_(block)
+            self.past.fill_(self.length)
+            g.replay()
+            out = (outs[0].clone(), outs[1].clone())  # the next replay overwrites the graph's outputs
+        self.length += n
+        return out
+
+    def _capture(self, n: int) -> None:
+        t0 = time.perf_counter()
+        static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=self.device),
+            "depth": torch.arange(n, device=self.device),
+            "block": causal_block(n, self.dtype, self.device),
+        }
+        self.past.fill_(min(self.length, self.capacity - n))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # lazy kernel set-up (cuBLAS handles, workspaces) outside the capture
+            self.run(static["ids"], static["depth"], static["block"], self.past)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            outs = self.run(static["ids"], static["depth"], static["block"], self.past)
+        torch.cuda.synchronize(self.device)
+        self.graphs[n] = (g, static, outs)
+        self.capture_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
+
+    def commit(self, past: int, accepted: list[int], n_tree: int) -> None:
+        """Keep the accepted nodes' entries at past .. past + len - 1 (all layers in one copy)."""
+        keep = len(accepted)
+        if accepted != list(range(keep)):
+            src = torch.tensor(accepted, device=self.device) + past
+            self.k[:, :, past : past + keep] = self.k.index_select(2, src)
+            self.v[:, :, past : past + keep] = self.v.index_select(2, src)
+        self.length = past + keep
+
+
+class Cache:
+    """A request's view of a slot: what the engine's decode loop passes around as its KV cache.
+    The slot goes back to the pool when the request's cache is dropped."""
+
+    def __init__(self, pool: "Graphs", slot: Slot):
+        self.slot = slot
+        slot.length = 0
+        weakref.finalize(self, pool.release, slot)
+
+    def get_seq_length(self) -> int:
+        return self.slot.length
+
+
+class Graphs:
+    """An engine's slots, made on demand up to MAX_SLOTS."""
+
+    def __init__(self, model: nn.Module, capture: bool | None = None):
+        self.model = model
+        device = model.get_output_embeddings().weight.device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.slots: list[Slot] = []
+        self.lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: nn.Module, wanted: bool = True) -> "Graphs | None":
+        """The graphs for `model` if they apply (CUDA, a supported architecture, not turned off)."""
+        device = model.get_output_embeddings().weight.device
+        if not wanted or not enabled() or device.type != "cuda" or not supported(model):
+            return None
+        return cls(model)
+
+    def cache(self, need: int) -> Cache | None:
+        """A free slot with room for `need` entries, or None when MAX_SLOTS are in use."""
+        with self.lock:
+            slot = next((s for s in self.slots if not s.busy), None)
+            if slot is None:
+                if len(self.slots) >= MAX_SLOTS:
+                    return None
+                slot = Slot(self.model, need, self.capture)
+                self.slots.append(slot)
+            slot.busy = True
+        slot.reserve(need)
+        return Cache(self, slot)
+
+    def release(self, slot: Slot) -> None:
+        with self.lock:
+            slot.busy = False
+
+    def capture_ms(self) -> dict[int, float]:
+        """Block size -> ms its capture took (the first slot's, the one warm-up captures in)."""
+        return dict(self.slots[0].capture_ms) if self.slots else {}

@@ -1,0 +1,93 @@
+"""The CUDA-graph path's forward (`graphs.Slot`), run eagerly on a CPU: static KV buffers, the
+masked attention over the whole buffer, in-place commit and slot reuse must decode exactly what
+`generate` does. The capture itself needs a GPU (`scripts/gpu_check.py` runs it there)."""
+
+import pytest
+import torch
+
+from entmtp import graphs, verify
+from entmtp.bank import TopologyBank
+from entmtp.config import TREES_FILE, GenerationConfig
+from entmtp.engine import Engine, Strategy, collect
+from entmtp.policy import StaticPolicy, TauPolicy
+from entmtp.topology import chain, compile_tree, load_named_trees
+from conftest import random_heads, reference, tiny_llama
+
+NAMED = load_named_trees(TREES_FILE)
+TREES = [compile_tree([], "ar"), compile_tree(chain(3), "chain3"), NAMED["mc_sim_7b_63"],
+         compile_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], "small")]
+
+
+def static_engine(model, monkeypatch=None) -> Engine:
+    """An engine whose decodes take `graphs.Slot`s, run eagerly (no capture on a CPU)."""
+    engine = Engine(model)
+    assert engine.graphs is None  # graphs are for CUDA only
+    engine.graphs = graphs.Graphs(model, capture=False)
+    return engine
+
+
+@pytest.mark.parametrize("seed,vocab", [(0, 48), (5, 12)])
+def test_static_slots_decode_as_generate(seed, vocab, monkeypatch):
+    monkeypatch.setattr(graphs, "MIN_CAPACITY", 16)  # a request grows the buffer (and keeps what it holds)
+    model = tiny_llama(seed=seed, vocab=vocab)
+    heads = random_heads(model)
+    engine = static_engine(model)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in (3, 17)]
+    for prompt in prompts:
+        ref = reference(model, prompt, 40)
+        for i, tree in enumerate(TREES):
+            s = Strategy(tree.name, TopologyBank.of(*TREES), StaticPolicy(i), heads)
+            out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
+            assert out.token_ids == ref, (tree.name, prompt)
+        tau = Strategy("tau", TopologyBank.of(TREES[1], TREES[2]), TauPolicy(0, 1, 0.3, 0.3), heads)
+        assert collect(engine.generate(prompt, tau, GenerationConfig(max_new_tokens=40))).token_ids == ref
+    assert len(engine.graphs.slots) == 1 and engine.graphs.slots[0].capacity >= 17 + 40 + 64
+
+
+def test_side_by_side_decodes_take_their_own_slots():
+    model = tiny_llama(seed=2)
+    heads = random_heads(model)
+    engine = static_engine(model)
+    prompt = [5, 9, 2, 7]
+    ref = reference(model, prompt, 30)
+    a = engine.generate(prompt, Strategy("a", TopologyBank.of(NAMED["mc_sim_7b_63"]), StaticPolicy(0), heads), GenerationConfig(max_new_tokens=30))
+    b = engine.generate(prompt, Strategy("b", TopologyBank.of(TREES[0]), StaticPolicy(0)), GenerationConfig(max_new_tokens=30))
+    out = {"a": [], "b": []}
+    for ra, rb in zip(a, b):  # interleaved, as the app races two methods
+        out["a"] += ra.tokens
+        out["b"] += rb.tokens
+    out["a"] += [t for r in a for t in r.tokens]
+    out["b"] += [t for r in b for t in r.tokens]
+    assert out["a"] == ref and out["b"] == ref
+    assert len(engine.graphs.slots) == 2
+    del a, b
+    assert not any(s.busy for s in engine.graphs.slots)  # a finished request gives its slot back
+
+
+def test_slot_forward_matches_transformers_logits():
+    """One tree block through a slot against transformers' forward with the same 4-D mask."""
+    model = tiny_llama(seed=1)
+    from entmtp import kv
+
+    tree = compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")
+    prompt = torch.tensor([[3, 8, 1, 4, 4, 9, 2]])
+    tokens = torch.tensor([6, 7, 11, 5, 2, 30])
+    with torch.inference_mode():
+        cache = kv.new_cache(model.config)
+        verify.forward(model, cache, prompt, torch.arange(7)[None], None)
+        h_ref, z_ref = verify.tree_forward(model, cache, tree, tokens, 7)
+        slot = graphs.Graphs(model, capture=False).cache(32)
+        verify.forward(model, slot, prompt, torch.arange(7)[None], None)
+        h, z = verify.tree_forward(model, slot, tree, tokens, 7)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(z, z_ref, rtol=0, atol=1e-5)
+    assert slot.get_seq_length() == 13
+
+
+def test_graphs_apply_only_on_cuda_and_can_be_turned_off(monkeypatch):
+    model = tiny_llama()
+    assert graphs.supported(model)
+    assert graphs.Graphs.of(model) is None  # a CPU model decodes eagerly
+    monkeypatch.setenv(graphs.ENV, "0")
+    assert not graphs.enabled()

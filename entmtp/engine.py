@@ -82,7 +82,8 @@ class StepRecord:
 class Engine:
     """A base causal LM plus the decode loop. Sees token ids and tensors only."""
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graphs: bool = True):
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int] | tuple[int, ...] = (), cuda_graphs: bool = True,
+                 compiled: bool = False):
         self.model = model.eval()
         self.eos = set(int(t) for t in eos_token_ids)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -93,7 +94,8 @@ class Engine:
         from .quant import block_limit
 
         self.max_block = block_limit(model)  # most nodes a tree may have (Q8 arithmetic), or None
-        self.graphs = graphs.Graphs.of(model, cuda_graphs)  # CUDA graphs for tree verification, or None (eager)
+        # CUDA graphs for tree verification (compiled: their layers through torch.compile), or None (eager)
+        self.graphs = graphs.Graphs.of(model, cuda_graphs, compiled)
 
     def new_cache(self):
         return kv.new_cache(self.model.config)

@@ -65,6 +65,54 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`, operation for operation."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def layer_math(x, cos, sin, mask, where, keys, values, w_in, wq, wk, wv, wo, w_post, wg, wu, wd,
+               eps: float, heads: int, kv_heads: int, dim: int, scaling: float):
+    """One Llama layer (no biases) over n new tokens, as plain tensor operations on its weights: what
+    `torch.compile` fuses (`compile=True`). Writes the block's keys and values into `keys`/`values`
+    [kv_heads, capacity, dim] at `where`; `mask` is the stacked-group mask [1, 1, groups * n, capacity]."""
+    n = x.shape[1]
+    h = _rms(x, w_in, eps)
+    q = F.linear(h, wq).view(1, n, heads, dim).transpose(1, 2)
+    k = F.linear(h, wk).view(1, n, kv_heads, dim).transpose(1, 2)
+    v = F.linear(h, wv).view(1, n, kv_heads, dim).transpose(1, 2)
+    q = (q * cos) + (_rotate_half(q) * sin)
+    k = (k * cos) + (_rotate_half(k) * sin)
+    keys.index_copy_(1, where, k[0])
+    values.index_copy_(1, where, v[0])
+    q = q.reshape(1, kv_heads, (heads // kv_heads) * n, dim)
+    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
+    x = x + F.linear(out.reshape(1, heads, n, dim).transpose(1, 2).reshape(1, n, -1), wo)
+    h = _rms(x, w_post, eps)
+    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+_COMPILED = None
+
+
+def compiled_layer():
+    """`layer_math` under `torch.compile` (static shapes: one compilation per block size, shared by
+    every layer and slot); made on first use."""
+    global _COMPILED
+    if _COMPILED is None:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED = torch.compile(layer_math, dynamic=False, fullgraph=True)
+    return _COMPILED
+
+
+def compilable(model: nn.Module) -> bool:
+    cfg = model.config
+    return not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
+
+
 def causal_block(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(n, n) additive mask of a plain sequence: 0 on and below the diagonal, the minimum above."""
     return torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
@@ -73,7 +121,7 @@ def causal_block(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 class Slot:
     """Static KV buffers for one request at a time, and the graphs captured over them."""
 
-    def __init__(self, model: nn.Module, capacity: int, capture: bool):
+    def __init__(self, model: nn.Module, capacity: int, capture: bool, compile: bool = False):
         cfg = model.config
         base = model.model
         attn = base.layers[0].self_attn
@@ -81,6 +129,11 @@ class Slot:
         self.dtype, self.device = self.head.weight.dtype, self.head.weight.device
         self.heads, self.kv_heads, self.dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         self.capture = capture
+        self.compile = compile and compilable(model)  # tree blocks through `compiled_layer`
+        self.eps = float(base.layers[0].input_layernorm.variance_epsilon)
+        self.weights = [(layer.input_layernorm.weight, layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                         layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                         layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight) for layer in base.layers]
         self.capacity = 0
         self.length = 0  # committed entries
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
@@ -117,10 +170,11 @@ class Slot:
 
     # -- the forward -----------------------------------------------------------------------------
 
-    def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor):
+    def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor, compiled: bool = False):
         """n new tokens at positions past + depth, seeing the committed entries and the block mask
         among themselves -> final normed hidden (n, H), logits (n, V). Writes their keys and values
-        at past .. past + n - 1. Every shape is fixed by n and the capacity."""
+        at past .. past + n - 1. Every shape is fixed by n and the capacity. `compiled`: the layers
+        through `compiled_layer` (the same operations, fused by the compiler)."""
         n = ids.shape[0]
         base = self.base
         x = base.embed_tokens(ids)[None]  # (1, n, H)
@@ -135,6 +189,13 @@ class Slot:
         groups = self.heads // self.kv_heads
         mask = mask.repeat(groups, 1)[None, None]  # queries of a group stacked over their key/value head
         where = past + torch.arange(n, device=self.device)
+        if compiled:
+            fn, attn = compiled_layer(), base.layers[0].self_attn
+            for i, w in enumerate(self.weights):
+                x = fn(x, cos, sin, mask, where, self.k[i], self.v[i], *w, self.eps, self.heads, self.kv_heads, self.dim,
+                       float(attn.scaling))
+            hidden = base.norm(x)[0]
+            return hidden, self.head(hidden)
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             residual = x
@@ -164,7 +225,7 @@ class Slot:
             self.reserve(self.length + n)
         if not (graph and self.capture):
             self.past.fill_(self.length)
-            out = self.run(ids, depth.to(self.device), block, self.past)
+            out = self.run(ids, depth.to(self.device), block, self.past, graph and self.compile)
         else:
             if n not in self.graphs:
                 self._capture(n)
@@ -188,12 +249,13 @@ class Slot:
         self.past.fill_(min(self.length, self.capacity - n))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # lazy kernel set-up (cuBLAS handles, workspaces) outside the capture
-            self.run(static["ids"], static["depth"], static["block"], self.past)
+        with torch.cuda.stream(stream):  # compilation and lazy set-up (cuBLAS handles, workspaces) outside the capture
+            for _ in range(2 if self.compile else 1):
+                self.run(static["ids"], static["depth"], static["block"], self.past, self.compile)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            outs = self.run(static["ids"], static["depth"], static["block"], self.past)
+            outs = self.run(static["ids"], static["depth"], static["block"], self.past, self.compile)
         torch.cuda.synchronize(self.device)
         self.graphs[n] = (g, static, outs)
         self.capture_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -224,20 +286,21 @@ class Cache:
 class Graphs:
     """An engine's slots, made on demand up to MAX_SLOTS."""
 
-    def __init__(self, model: nn.Module, capture: bool | None = None):
-        self.model = model
+    def __init__(self, model: nn.Module, capture: bool | None = None, compile: bool = False):
+        self.model, self.compile = model, compile
         device = model.get_output_embeddings().weight.device
         self.capture = device.type == "cuda" if capture is None else capture
         self.slots: list[Slot] = []
         self.lock = threading.Lock()
 
     @classmethod
-    def of(cls, model: nn.Module, wanted: bool = True) -> "Graphs | None":
-        """The graphs for `model` if they apply (CUDA, a supported architecture, not turned off)."""
+    def of(cls, model: nn.Module, wanted: bool = True, compile: bool = False) -> "Graphs | None":
+        """The graphs for `model` if they apply (CUDA, a supported architecture, not turned off);
+        `compile`: their layers through `torch.compile` too."""
         device = model.get_output_embeddings().weight.device
         if not wanted or not enabled() or device.type != "cuda" or not supported(model):
             return None
-        return cls(model)
+        return cls(model, compile=compile)
 
     def cache(self, need: int) -> Cache | None:
         """A free slot with room for `need` entries, or None when MAX_SLOTS are in use."""
@@ -246,7 +309,7 @@ class Graphs:
             if slot is None:
                 if len(self.slots) >= MAX_SLOTS:
                     return None
-                slot = Slot(self.model, need, self.capture)
+                slot = Slot(self.model, need, self.capture, self.compile)
                 self.slots.append(slot)
             slot.busy = True
         slot.reserve(need)

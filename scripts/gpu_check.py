@@ -251,6 +251,35 @@ def distinct_trees(banks: dict[str, TopologyBank], baseline: Tree) -> tuple[list
     return sorted(by_shape.values(), key=lambda t: (t.n_nodes, t.name)), alias
 
 
+COMPILE_SIZES = (1, 2, 5, 17, 49, 64)  # block sizes timed with compiled layers (each compiles once)
+
+
+def compiled_graphs(model, rt: Runtime, trees: list[Tree], prompts, refs, context: list[int], sizes: Sizes) -> dict:
+    """CUDA graphs over `torch.compile`d layers (`Engine(compiled=True)`), for a few block sizes:
+    compile + capture time, lossless cases, step cost. Any error is reported, not raised."""
+    picks = list({t.n_nodes: t for t in reversed(trees) if t.n_nodes in COMPILE_SIZES}.values())[::-1]
+    out: dict = {"sizes": [t.n_nodes for t in picks]}
+    try:
+        log(f"compiled layers: compiling and capturing {out['sizes']}")
+        engine = Engine(model, cuda_graphs=True, compiled=True)
+        engine.warmup([t.n_nodes for t in picks], context=len(context))
+        out["warmup_ms"] = {str(k): v for k, v in sorted(engine.warmup_ms.items())}
+        strategies = tree_strategies(picks, rt.heads("hydra"), "hydra")
+        c, f, t = check(model, engine, strategies, prompts, refs, sizes.new_tokens, "default-arch compiled")
+        log(f"  compiled: {c} cases, {len(f)} failures, {len(t)} ties")
+        out["lossless"] = {"cases": c, "n_failures": len(f), "n_ties": len(t), "failure_list": f, "tie_list": t}
+        out["step_ms"] = {}
+        for s in strategies:
+            out["step_ms"][s.bank[0].name], _, _ = step_ms(engine, s, context, sizes)
+            log(f"  {s.bank[0].name:>14} {s.bank[0].n_nodes:3d} nodes {out['step_ms'][s.bank[0].name]:9.3f} ms (compiled)")
+    except Exception as e:  # the rest of the check stands
+        import traceback
+
+        traceback.print_exc()
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def preflight(device: torch.device) -> None:
     """The engine must reach the KV cache through this transformers (its forward argument changed
     name across 5.x releases); otherwise every case would fail with a shape error."""
@@ -317,6 +346,12 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         log(line)
     prefill_ms_per_token = max(0.0, statistics.median(prefills))
 
+    compiled = compiled_graphs(model, rt, trees, prompts, refs, context, sizes) if graphed and not quick else {}
+    if compiled.get("lossless"):
+        cases += compiled["lossless"]["cases"]
+        failures += compiled["lossless"].pop("failure_list")
+        ties += compiled["lossless"].pop("tie_list")
+
     log("predicted throughput from the banks")
     predicted = {task: predict(bank, [costs[alias[(task, t.name)]] for t in bank.trees], prefill_ms_per_token,
                                (baseline, costs[BASELINE_TREE]))
@@ -328,6 +363,7 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         "lossless": {"cases": cases, "failures": failures[:20], "n_failures": len(failures), "ties": ties[:20], "n_ties": len(ties)},
         "context_tokens": sizes.context,
         "cuda_graphs": graphed,
+        "compiled": compiled,
         "step_ms": costs,
         "step_ms_eager": costs_eager,
         "phase_ms": phases,

@@ -119,6 +119,8 @@ class Engine:
                 verify.forward(self.model, cache, ids, torch.arange(context, device=self.device)[None], None)
                 tokens = torch.zeros(n, dtype=torch.long, device=self.device)
                 verify.tree_forward(self.model, cache, _chain(n), tokens, context)
+                if isinstance(cache, graphs.Cache):
+                    cache.slot.prepare(n)  # every span up to the capacity, so that no request captures
             del caches
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

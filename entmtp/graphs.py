@@ -10,18 +10,21 @@ launch. Graphs need fixed shapes and fixed addresses, so:
   slot (two requests decoding side by side, as the app races them, take two).
 - `Slot.run` is the forward of a block of n new tokens at fixed shapes: embedding, per layer the
   model's own RMSNorm and projections, rotary embedding at positions past + depth, the block's
-  keys and values written in place at past .. past + n - 1, attention of the block over the whole
-  buffer under a mask (committed positions visible, the tree's block mask over the new ones,
-  nothing beyond), the model's MLP; final norm and LM head. `past`, the tokens, the depths and the
-  block mask are device tensors the graph reads, so one graph per block size serves every tree of
-  that size at every context length up to the capacity.
-- The prompt runs the same function eagerly (its length varies); a tree block replays its size's
-  graph, captured on first use (`Engine.warmup` captures the bank's sizes ahead, outside any clock,
-  and reports the time each took). A request that outgrows the capacity gets a larger buffer and
-  fresh graphs.
+  keys and values written in place at past .. past + n - 1, attention of the block over the
+  buffer's first `span` entries under a mask (committed positions visible, the tree's block mask
+  over the new ones, nothing beyond; span is a power of two, at least 256, so a step reads at most
+  twice its context), the model's MLP; final norm and LM head. `past`, the tokens, the depths and
+  the block mask are device tensors the graph reads, so one graph per (block size, span) serves
+  every tree of that size at every context length in the span.
+- The prompt runs the same function eagerly (its length varies); a tree block replays its graph,
+  captured on first use (`Engine.warmup` captures the bank's sizes at every span ahead, outside
+  any clock, and reports the time each took). A request that outgrows the capacity gets a larger
+  buffer and fresh graphs.
+- `compiled=True` (opt-in) runs the layers through `torch.compile` inside the graphs: fewer,
+  fused kernels; one compilation per block size at warm-up.
 
 The arithmetic is the model's own modules', but attention reads a longer masked row than
-transformers' (which stops at past + n), so results can differ from `generate` in the last bits:
+transformers' (which stops at past + n; compiled layers also fuse and reorder), so results can differ from `generate` in the last bits:
 greedy tokens can differ only where two logits tie within float noise (`scripts/gpu_check.py`
 reports such ties apart from failures). `ENTMTP_CUDA_GRAPHS=0`, `ModelConfig.cuda_graphs=False`
 or the CLI's `--no-cuda-graphs` keep the eager path. Supported: Llama-architecture models
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ENV = "ENTMTP_CUDA_GRAPHS"
+MIN_SPAN = 256  # attention reads the first `span` buffer entries: a power of two >= the entries in use
 MIN_CAPACITY = 2048  # entries; a request that needs more doubles it (and recaptures)
 MAX_SLOTS = 4  # requests decoding at once with graphs; more decode eagerly
 
@@ -136,8 +140,8 @@ class Slot:
                          layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight) for layer in base.layers]
         self.capacity = 0
         self.length = 0  # committed entries
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
-        self.capture_ms: dict[int, float] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}  # (n, span) ->
+        self.capture_ms: dict[tuple[int, int], float] = {}
         self.busy = False
         self._grow(capacity)
 
@@ -168,12 +172,28 @@ class Slot:
     def get_seq_length(self) -> int:
         return self.length
 
+    def span(self, need: int) -> int:
+        """The buffer entries attention reads when `need` are in use: a power of two (at least
+        MIN_SPAN), so a step attends over at most twice the context and a graph serves a range."""
+        span = MIN_SPAN
+        while span < need:
+            span *= 2
+        return min(span, self.capacity)
+
+    def spans(self) -> list[int]:
+        out, span = [], MIN_SPAN
+        while span < self.capacity:
+            out.append(span)
+            span *= 2
+        return out + [self.capacity]
+
     # -- the forward -----------------------------------------------------------------------------
 
-    def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor, compiled: bool = False):
+    def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor, span: int,
+            compiled: bool = False):
         """n new tokens at positions past + depth, seeing the committed entries and the block mask
         among themselves -> final normed hidden (n, H), logits (n, V). Writes their keys and values
-        at past .. past + n - 1. Every shape is fixed by n and the capacity. `compiled`: the layers
+        at past .. past + n - 1 < span. Every shape is fixed by n and the span. `compiled`: the layers
         through `compiled_layer` (the same operations, fused by the compiler)."""
         n = ids.shape[0]
         base = self.base
@@ -181,9 +201,9 @@ class Slot:
         pos = (past + depth)[None]
         cos, sin = base.rotary_emb(x, position_ids=pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rel = self.cols - past  # (cap,) column offsets from the block's first position
+        rel = self.cols[:span] - past  # (span,) column offsets from the block's first position
         blocked = torch.finfo(self.dtype).min
-        visible = block.index_select(1, rel.clamp(0, n - 1))  # (n, cap)
+        visible = block.index_select(1, rel.clamp(0, n - 1))  # (n, span)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         mask = torch.where(rel < 0, zero, torch.where(rel < n, visible, torch.full_like(zero, blocked)))
         groups = self.heads // self.kv_heads
@@ -192,7 +212,7 @@ class Slot:
         if compiled:
             fn, attn = compiled_layer(), base.layers[0].self_attn
             for i, w in enumerate(self.weights):
-                x = fn(x, cos, sin, mask, where, self.k[i], self.v[i], *w, self.eps, self.heads, self.kv_heads, self.dim,
+                x = fn(x, cos, sin, mask, where, self.k[i, :, :span], self.v[i, :, :span], *w, self.eps, self.heads, self.kv_heads, self.dim,
                        float(attn.scaling))
             hidden = base.norm(x)[0]
             return hidden, self.head(hidden)
@@ -205,7 +225,7 @@ class Slot:
             v = attn.v_proj(h).view(1, n, self.kv_heads, self.dim).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = self.k[i], self.v[i]
+            keys, values = self.k[i, :, :span], self.v[i, :, :span]
             keys.index_copy_(1, where, k[0])
             values.index_copy_(1, where, v[0])
             q = q.reshape(1, self.kv_heads, groups * n, self.dim)
@@ -223,13 +243,14 @@ class Slot:
         n = ids.shape[0]
         if self.length + n > self.capacity:
             self.reserve(self.length + n)
+        span = self.span(self.length + n)
         if not (graph and self.capture):
             self.past.fill_(self.length)
-            out = self.run(ids, depth.to(self.device), block, self.past, graph and self.compile)
+            out = self.run(ids, depth.to(self.device), block, self.past, span, graph and self.compile)
         else:
-            if n not in self.graphs:
-                self._capture(n)
-            g, static, outs = self.graphs[n]
+            if (n, span) not in self.graphs:
+                self._capture(n, span)
+            g, static, outs = self.graphs[(n, span)]
             static["ids"].copy_(ids)
             static["depth"].copy_(depth, non_blocking=True)
             static["block"].copy_(block)
@@ -239,26 +260,36 @@ class Slot:
         self.length += n
         return out
 
-    def _capture(self, n: int) -> None:
+    def prepare(self, n: int) -> None:
+        """Capture block size n at every span up to the capacity (warm-up: none is captured mid-request
+        then). Only on a slot whose entries are expendable: a capture's first run writes n entries."""
+        if not self.capture:
+            return
+        for span in self.spans():
+            if (n, span) not in self.graphs and span >= n:
+                self.length = min(self.length, span - n)
+                self._capture(n, span)
+
+    def _capture(self, n: int, span: int) -> None:
         t0 = time.perf_counter()
         static = {
             "ids": torch.zeros(n, dtype=torch.long, device=self.device),
             "depth": torch.arange(n, device=self.device),
             "block": causal_block(n, self.dtype, self.device),
         }
-        self.past.fill_(min(self.length, self.capacity - n))
+        self.past.fill_(self.length)  # the first run writes entries length .. length + n - 1, not yet committed
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compilation and lazy set-up (cuBLAS handles, workspaces) outside the capture
             for _ in range(2 if self.compile else 1):
-                self.run(static["ids"], static["depth"], static["block"], self.past, self.compile)
+                self.run(static["ids"], static["depth"], static["block"], self.past, span, self.compile)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            outs = self.run(static["ids"], static["depth"], static["block"], self.past, self.compile)
+            outs = self.run(static["ids"], static["depth"], static["block"], self.past, span, self.compile)
         torch.cuda.synchronize(self.device)
-        self.graphs[n] = (g, static, outs)
-        self.capture_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
+        self.graphs[(n, span)] = (g, static, outs)
+        self.capture_ms[(n, span)] = round((time.perf_counter() - t0) * 1e3, 1)
 
     def commit(self, past: int, accepted: list[int], n_tree: int) -> None:
         """Keep the accepted nodes' entries at past .. past + len - 1 (all layers in one copy)."""
@@ -319,6 +350,6 @@ class Graphs:
         with self.lock:
             slot.busy = False
 
-    def capture_ms(self) -> dict[int, float]:
-        """Block size -> ms its capture took (the first slot's, the one warm-up captures in)."""
-        return dict(self.slots[0].capture_ms) if self.slots else {}
+    def capture_ms(self) -> dict[str, float]:
+        """"size@span" -> ms its capture took (the first slot's; warm-up captures every slot alike)."""
+        return {f"{n}@{span}": ms for (n, span), ms in sorted(self.slots[0].capture_ms.items())} if self.slots else {}

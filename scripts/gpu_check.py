@@ -251,6 +251,28 @@ def distinct_trees(banks: dict[str, TopologyBank], baseline: Tree) -> tuple[list
     return sorted(by_shape.values(), key=lambda t: (t.n_nodes, t.name)), alias
 
 
+def kernel_profile(engine: Engine, strategy: Strategy, context: list[int], steps: int = 5, top: int = 10) -> dict:
+    """Where `steps` one-token steps spend device time: the top kernels by total time (torch.profiler)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        gen = engine.generate(context, strategy, GenerationConfig(max_new_tokens=steps + 3))
+        next(gen)
+        next(gen)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                next(gen)
+            torch.cuda.synchronize()
+        rows = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+        rows.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in rows)
+        return {"steps": steps, "device_us_per_step": round(total / steps, 1), "kernels_per_step": round(sum(e.count for e in rows) / steps, 1),
+                "top": [{"name": e.key[:80], "calls_per_step": round(e.count / steps, 1), "us_per_step": round(e.device_time_total / steps, 1)}
+                        for e in rows[:top]]}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 COMPILE_SIZES = (1, 2, 5, 17, 49, 64)  # block sizes timed with compiled layers (each compiles once)
 
 
@@ -346,6 +368,9 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         log(line)
     prefill_ms_per_token = max(0.0, statistics.median(prefills))
 
+    profile = {"graphs": kernel_profile(rt.engine, rt.strategy("ar"), context)} if graphed and not quick else {}
+    if eager is not None and not quick:
+        profile["eager"] = kernel_profile(eager, rt.strategy("ar"), context)
     compiled = compiled_graphs(model, rt, trees, prompts, refs, context, sizes) if graphed and not quick else {}
     if compiled.get("lossless"):
         cases += compiled["lossless"]["cases"]
@@ -364,6 +389,7 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         "context_tokens": sizes.context,
         "cuda_graphs": graphed,
         "compiled": compiled,
+        "profile_ar_steps": profile,
         "step_ms": costs,
         "step_ms_eager": costs_eager,
         "phase_ms": phases,

@@ -29,6 +29,7 @@ def static_engine(model, monkeypatch=None) -> Engine:
 @pytest.mark.parametrize("seed,vocab", [(0, 48), (5, 12)])
 def test_static_slots_decode_as_generate(seed, vocab, monkeypatch):
     monkeypatch.setattr(graphs, "MIN_CAPACITY", 16)  # a request grows the buffer (and keeps what it holds)
+    monkeypatch.setattr(graphs, "MIN_SPAN", 8)  # and attention's span doubles as the context grows
     model = tiny_llama(seed=seed, vocab=vocab)
     heads = random_heads(model)
     engine = static_engine(model)

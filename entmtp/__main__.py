@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -70,13 +70,16 @@ def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
                    help="CPU linears. q8: the GGUF's Q4_1/Q8_0 blocks for the default model with the inputs quantised "
                         "to Q8 blocks (llama.cpp's arithmetic), else oneDNN prepacked float32; packed: the same blocks in "
                         "float32 arithmetic; onednn: prepacked float32 only; stock: plain PyTorch (default: %(default)s)")
+    p.add_argument("--cuda-graphs", default=d.cuda_graphs, choices=list(CUDA_GRAPHS),
+                   help="tree verification on a GPU. on: one CUDA graph per tree size; compiled: their layers through "
+                        "torch.compile too (compiles at warm-up); off: eager (default: %(default)s)")
     p.add_argument("--heads", default=None, help="Hydra heads: folder (ours or official layout) or hub repo")
     p.add_argument("--medusa-heads", default=None, help="Medusa heads: folder or hub repo")
     p.add_argument("--banks-dir", default=None, help="folder holding <model>/<task>.json banks (default: banks/)")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, cuda_graphs=args.cuda_graphs)
 
 
 def _runtime(args: argparse.Namespace):

@@ -43,6 +43,9 @@ TREES_FILE = ROOT / "entmtp" / "trees.json"
 # model); both use oneDNN's prepacked float32 for the rest (kernels.py); onednn: prepacked float32
 # only; stock: PyTorch's F.linear, as transformers runs.
 KERNELS = ("q8", "packed", "onednn", "stock")
+# Tree verification on CUDA (graphs.py): on: one CUDA graph per tree size; compiled: the graphs'
+# layers through torch.compile too (compiles each size once at warm-up); off: eager.
+CUDA_GRAPHS = ("on", "compiled", "off")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # tree masks need eager or sdpa, never flash-attention-2
     cache_dir: Path | None = None  # where the dequantised default model is kept (None: ~/.cache/entmtp)
     kernels: str = "q8"  # one of KERNELS
+    cuda_graphs: str = "on"  # one of CUDA_GRAPHS (ignored on a CPU)
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,8 @@ class BankBuildConfig:
     calib_prompts: int = 24
     calib_new_tokens: int = 128
     max_depth: int = 4
-    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate drafted-node counts
-    max_candidates: int = 8  # candidate trees kept, the root-only tree included
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)  # candidate drafted-node counts (63: a 64-node tree, Hydra's size)
+    max_candidates: int = 9  # candidate trees kept, the root-only tree included
 
 
 @dataclass(frozen=True)

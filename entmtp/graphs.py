@@ -23,8 +23,9 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 - `compiled=True` (opt-in) runs the layers through `torch.compile` inside the graphs: fewer,
   fused kernels; one compilation per block size at warm-up.
 
-The arithmetic is the model's own modules', but attention reads a longer masked row than
-transformers' (which stops at past + n; compiled layers also fuse and reorder), so results can differ from `generate` in the last bits:
+The arithmetic is the model's own modules', but a tree block's attention reads a longer masked
+row than transformers' (which stops at past + n) and computes it as three products (`attend`);
+compiled layers also fuse and reorder. So results can differ from `generate` in the last bits:
 greedy tokens can differ only where two logits tie within float noise (`scripts/gpu_check.py`
 reports such ties apart from failures). `ENTMTP_CUDA_GRAPHS=0`, `ModelConfig.cuda_graphs=False`
 or the CLI's `--no-cuda-graphs` keep the eager path. Supported: Llama-architecture models
@@ -76,8 +77,20 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def attend(q, keys, values, mask, scaling: float, explicit: bool):
+    """Attention of stacked-group queries q [1, kv_heads, groups * n, dim] over keys/values
+    [kv_heads, span, dim] under an additive mask [1, 1, groups * n, span]. explicit: as three
+    products (scores, softmax in float32, values): for a tree block's few rows this beats the
+    fused kernel, which walks the span in one thread block per head (on an H200 it took half of
+    a captured one-token step)."""
+    if not explicit:
+        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
+    scores = torch.matmul(q, keys.transpose(-1, -2)[None]) * scaling + mask
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values[None])
+
+
 def layer_math(x, cos, sin, mask, where, keys, values, w_in, wq, wk, wv, wo, w_post, wg, wu, wd,
-               eps: float, heads: int, kv_heads: int, dim: int, scaling: float):
+               eps: float, heads: int, kv_heads: int, dim: int, scaling: float, explicit: bool = True):
     """One Llama layer (no biases) over n new tokens, as plain tensor operations on its weights: what
     `torch.compile` fuses (`compile=True`). Writes the block's keys and values into `keys`/`values`
     [kv_heads, capacity, dim] at `where`; `mask` is the stacked-group mask [1, 1, groups * n, capacity]."""
@@ -91,7 +104,7 @@ def layer_math(x, cos, sin, mask, where, keys, values, w_in, wq, wk, wv, wo, w_p
     keys.index_copy_(1, where, k[0])
     values.index_copy_(1, where, v[0])
     q = q.reshape(1, kv_heads, (heads // kv_heads) * n, dim)
-    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
+    out = attend(q, keys, values, mask, scaling, explicit)
     x = x + F.linear(out.reshape(1, heads, n, dim).transpose(1, 2).reshape(1, n, -1), wo)
     h = _rms(x, w_post, eps)
     return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
@@ -190,11 +203,12 @@ class Slot:
     # -- the forward -----------------------------------------------------------------------------
 
     def run(self, ids: torch.Tensor, depth: torch.Tensor, block: torch.Tensor, past: torch.Tensor, span: int,
-            compiled: bool = False):
+            tree: bool = False):
         """n new tokens at positions past + depth, seeing the committed entries and the block mask
         among themselves -> final normed hidden (n, H), logits (n, V). Writes their keys and values
-        at past .. past + n - 1 < span. Every shape is fixed by n and the span. `compiled`: the layers
-        through `compiled_layer` (the same operations, fused by the compiler)."""
+        at past .. past + n - 1 < span. Every shape is fixed by n and the span. `tree`: a tree block
+        (what the graphs capture): explicit attention, and the layers through `compiled_layer` if the
+        slot compiles; else (a prompt) the fused attention kernel and the model's modules."""
         n = ids.shape[0]
         base = self.base
         x = base.embed_tokens(ids)[None]  # (1, n, H)
@@ -209,11 +223,11 @@ class Slot:
         groups = self.heads // self.kv_heads
         mask = mask.repeat(groups, 1)[None, None]  # queries of a group stacked over their key/value head
         where = past + torch.arange(n, device=self.device)
-        if compiled:
+        if tree and self.compile:
             fn, attn = compiled_layer(), base.layers[0].self_attn
             for i, w in enumerate(self.weights):
                 x = fn(x, cos, sin, mask, where, self.k[i, :, :span], self.v[i, :, :span], *w, self.eps, self.heads, self.kv_heads, self.dim,
-                       float(attn.scaling))
+                       float(attn.scaling), True)
             hidden = base.norm(x)[0]
             return hidden, self.head(hidden)
         for i, layer in enumerate(base.layers):
@@ -229,7 +243,7 @@ class Slot:
             keys.index_copy_(1, where, k[0])
             values.index_copy_(1, where, v[0])
             q = q.reshape(1, self.kv_heads, groups * n, self.dim)
-            out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=attn.scaling)
+            out = attend(q, keys, values, mask, attn.scaling, tree)
             out = out.reshape(1, self.heads, n, self.dim).transpose(1, 2).reshape(1, n, -1)
             x = residual + attn.o_proj(out)
             residual = x
@@ -246,7 +260,7 @@ class Slot:
         span = self.span(self.length + n)
         if not (graph and self.capture):
             self.past.fill_(self.length)
-            out = self.run(ids, depth.to(self.device), block, self.past, span, graph and self.compile)
+            out = self.run(ids, depth.to(self.device), block, self.past, span, graph)
         else:
             if (n, span) not in self.graphs:
                 self._capture(n, span)
@@ -282,11 +296,11 @@ class Slot:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compilation and lazy set-up (cuBLAS handles, workspaces) outside the capture
             for _ in range(2 if self.compile else 1):
-                self.run(static["ids"], static["depth"], static["block"], self.past, span, self.compile)
+                self.run(static["ids"], static["depth"], static["block"], self.past, span, True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            outs = self.run(static["ids"], static["depth"], static["block"], self.past, span, self.compile)
+            outs = self.run(static["ids"], static["depth"], static["block"], self.past, span, True)
         torch.cuda.synchronize(self.device)
         self.graphs[(n, span)] = (g, static, outs)
         self.capture_ms[(n, span)] = round((time.perf_counter() - t0) * 1e3, 1)

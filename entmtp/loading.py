@@ -348,7 +348,9 @@ class Runtime:
 
     @property
     def fingerprint(self) -> dict[str, Any]:
-        return fingerprint(self.model, kernels.label(self.model))
+        graphs = self.engine.graphs
+        label = kernels.label(self.model) + ("" if graphs is None else "+cuda-graphs" + ("-compiled" if graphs.compile else ""))
+        return fingerprint(self.model, label)
 
     def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None) -> dict[str, TopologyBank]:
         """The tasks' banks under the fit `mode` (default: `fit_mode`) asks for; tasks that need
@@ -458,7 +460,7 @@ def load_runtime(
         cfg.model,
         model,
         tok,
-        Engine(model, eos_ids(model, tok)),
+        Engine(model, eos_ids(model, tok), cuda_graphs=cfg.cuda_graphs != "off", compiled=cfg.cuda_graphs == "compiled"),
         {"hydra": hydra_heads, "medusa": medusa_heads},
         Path(banks_dir) if banks_dir else BANKS_DIR,
         weights=weights.description,

@@ -273,7 +273,7 @@ def kernel_profile(engine: Engine, strategy: Strategy, context: list[int], steps
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-COMPILE_SIZES = (1, 2, 5, 17, 49, 64)  # block sizes timed with compiled layers (each compiles once)
+COMPILE_SIZES = (1, 5, 17, 64)  # block sizes timed with compiled layers (each compiles once)
 
 
 def compiled_graphs(model, rt: Runtime, trees: list[Tree], prompts, refs, context: list[int], sizes: Sizes) -> dict:

@@ -426,7 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_report(args: argparse.Namespace) -> None:
     from .config import ROOT
-    from .report import ReportError, read_floor, read_run, render
+    from .report import ReportError, read_floor, read_gpu, read_run, render
 
     files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"))
     if not files:
@@ -434,11 +434,12 @@ def cmd_report(args: argparse.Namespace) -> None:
     try:
         runs = [read_run(f) for f in files]
         floors = [] if args.files else [read_floor(f) for f in sorted((ROOT / "benchmarks" / "kernels").glob("*.json"))]
+        gpu = [] if args.files else [read_gpu(f) for f in sorted((ROOT / "benchmarks" / "gpu").glob("*.json"))]
     except ReportError as e:
         raise UsageError(str(e)) from None
     out = Path(args.out) if args.out else ROOT / "BENCHMARKS.md"
     try:
-        out.write_text(render(runs, floors))
+        out.write_text(render(runs, floors, gpu))
     except OSError as e:
         raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
     print(out)

@@ -280,7 +280,70 @@ def floor_section(k: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(runs: list[dict], floors: list[dict] = ()) -> str:
+def read_gpu(path: Path, root: Path = ROOT) -> dict:
+    """One `scripts/gpu_check.py` result (its JSON line, saved under benchmarks/gpu/)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path}: not a GPU check result ({e})") from None
+    if d.get("check") != "entmtp-gpu" or "step_ms" not in d:
+        raise ReportError(f"{path}: not a GPU check result (no 'check': 'entmtp-gpu' with step_ms)")
+    d["source"] = _source(path, root)
+    return d
+
+
+def gpu_section(checks: list[dict]) -> str:
+    """The GPU checks: the latest in full (per tree, the step with CUDA graphs, compiled graphs and
+    eager; capture times; the fit its costs give), the earlier ones as a history line each."""
+    last = checks[-1]
+    graphed = last.get("cuda_graphs")
+    comp = last.get("compiled") or {}
+    lines = [
+        f"## Decode steps on a GPU: {last['device']}",
+        "",
+        f"`scripts/gpu_check.sh` (`{last['source']}`; torch {last['torch']}, transformers {last['transformers']}, "
+        f"{last['dtype']}): the default model's architecture with random weights (none travel to that machine; "
+        f"a step's cost does not depend on them) and the shipped heads, {last['context_tokens']} tokens of context, "
+        "the median of a decode step (heads and scheduling included, the device synchronised around it). "
+        f"Lossless: {last['lossless']['cases']} cases (tiny random Llamas and the default architecture, every "
+        f"bank tree and policy) against transformers `generate`: {last['lossless']['n_failures']} differ, "
+        f"{last['lossless']['n_ties']} float ties.",
+        "",
+        "| tree | nodes | CUDA graphs ms | compiled graphs ms | eager ms | eager / graphs |",
+        "|---|---|---|---|---|---|",
+    ]
+    cstep = comp.get("step_ms", {})
+    for name, ms in last["step_ms"].items():
+        eager = last.get("step_ms_eager", {}).get(name)
+        c = cstep.get(name)
+        lines.append(f"| {name} | {last['nodes'][name]} | {ms:.2f} | {'' if c is None else f'{c:.2f}'} | "
+                     f"{'' if eager is None else f'{eager:.2f}'} | {'' if not eager else f'{eager / ms:.1f}×'} |")
+    warm = last.get("warmup_ms", {})
+    if graphed and warm.get("served"):
+        served = warm["served"]
+        lines += ["", f"Warm-up per tree size (capture at every span in two slots): {min(served.values()):.0f}–"
+                      f"{max(served.values()):.0f} ms; with compiled layers: "
+                      + (", ".join(f"{k} nodes {v / 1e3:.1f} s" for k, v in comp.get("warmup_ms", {}).items()) or "not run")
+                      + "."]
+    lines += ["", "The fit these costs give (`calibrate.fit_task` on the shipped banks' traces), tokens/s:", "",
+              "| task | ar | hydra | entmtp-static | entmtp-ladder | entmtp-tau | τ / ar | τ / hydra | τ trees |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for task, p in last["predicted"].items():
+        t, tau = p["tokens_per_s"], p["policies"]["tau"]
+        lines.append(f"| {task} | {t['ar']:.0f} | {t['hydra']:.0f} | {t['entmtp-static']:.0f} | {t['entmtp-ladder']:.0f} | "
+                     f"{t['entmtp-tau']:.0f} | {t['entmtp-tau'] / t['ar']:.2f}× | {t['entmtp-tau'] / t['hydra']:.2f}× | "
+                     f"{tau['small']} / {tau['large']} |")
+    if len(checks) > 1:
+        lines += ["", "Earlier checks on this kind of machine (one-token step / 64-node Hydra tree, ms):", ""]
+        for c in checks[:-1]:
+            mode = "CUDA graphs" if c.get("cuda_graphs") else "eager"
+            lines.append(f"- `{c['source']}` ({mode}): {c['step_ms']['ar']:.1f} / {c['step_ms'].get('mc_sim_7b_63', float('nan')):.1f}")
+    lines += ["", f"These figures hold for {last['device']} only; they are predictions from measured step costs, "
+                  "not decoded text (the machine has no weights)."]
+    return "\n".join(lines) + "\n"
+
+
+def render(runs: list[dict], floors: list[dict] = (), gpu: list[dict] = ()) -> str:
     """The Markdown of BENCHMARKS.md for bench results dicts, in the given order, then the `kernels`
     results in `floors`. A run's optional "source" (the results file's path) is named under its
     heading."""
@@ -297,4 +360,6 @@ def render(runs: list[dict], floors: list[dict] = ()) -> str:
         ]
         parts.append("\n".join(section) + "\n")
     parts += [floor_section(k) for k in floors]
+    if gpu:
+        parts.append(gpu_section(list(gpu)))
     return "\n".join(parts)

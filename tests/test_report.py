@@ -185,3 +185,25 @@ def test_cli_bad_results_file_is_one_error_line(tmp_path, capsys, content):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("entmtp: error: ") and str(f) in lines[0]
     assert not out.exists()
+
+
+def test_gpu_checks_render_as_their_own_section(tmp_path):
+    """The committed GPU checks (benchmarks/gpu/) render: the latest in full, the rest as history;
+    anything else in their place is one clear error."""
+    from entmtp.config import ROOT
+    from entmtp.report import gpu_section, read_gpu
+
+    files = sorted((ROOT / "benchmarks" / "gpu").glob("*.json"))
+    assert files, "no GPU check committed"
+    checks = [read_gpu(f) for f in files]
+    text = gpu_section(checks)
+    last = checks[-1]
+    assert text.startswith(f"## Decode steps on a GPU: {last['device']}")
+    assert f"{last['step_ms']['ar']:.2f}" in text and last["source"] in text
+    for task in last["predicted"]:
+        assert f"| {task} |" in text
+    assert all(c["source"] in text for c in checks[:-1])
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"check": "something else"}))
+    with pytest.raises(ReportError, match="not a GPU check result"):
+        read_gpu(bad)

@@ -424,17 +424,24 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+def _natural(path: Path) -> list:
+    """Sort key that orders run2 before run10 (numbers compared as numbers)."""
+    import re
+
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path.name)]
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from .config import ROOT
     from .report import ReportError, read_floor, read_gpu, read_run, render
 
-    files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"))
+    files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"), key=_natural)
     if not files:
         raise UsageError(f"no results files given and none in {ROOT / 'benchmarks'}")
     try:
         runs = [read_run(f) for f in files]
         floors = [] if args.files else [read_floor(f) for f in sorted((ROOT / "benchmarks" / "kernels").glob("*.json"))]
-        gpu = [] if args.files else [read_gpu(f) for f in sorted((ROOT / "benchmarks" / "gpu").glob("*.json"))]
+        gpu = [] if args.files else [read_gpu(f) for f in sorted((ROOT / "benchmarks" / "gpu").glob("*.json"), key=_natural)]
     except ReportError as e:
         raise UsageError(str(e)) from None
     out = Path(args.out) if args.out else ROOT / "BENCHMARKS.md"

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -172,7 +173,7 @@ class Slot:
         self.cols = torch.arange(capacity, device=self.device)
         self.past = torch.zeros((), dtype=torch.long, device=self.device)
         self.graphs.clear()  # they read the old buffers
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = None  # the graphs' memory pool, made at the first capture
 
     def reserve(self, need: int) -> None:
         """Room for `need` entries (the request's prompt, budget and largest tree)."""
@@ -263,7 +264,12 @@ class Slot:
             out = self.run(ids, depth.to(self.device), block, self.past, span, graph)
         else:
             if (n, span) not in self.graphs:
-                self._capture(n, span)
+                try:
+                    self._capture(n, span)
+                except Exception as e:  # e.g. a runtime that forbids capture: decode on, eagerly
+                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); this slot verifies eagerly")
+                    self.capture = False
+                    return self.block(ids, depth, block, graph)
             g, static, outs = self.graphs[(n, span)]
             static["ids"].copy_(ids)
             static["depth"].copy_(depth, non_blocking=True)
@@ -286,6 +292,8 @@ class Slot:
 
     def _capture(self, n: int, span: int) -> None:
         t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         static = {
             "ids": torch.zeros(n, dtype=torch.long, device=self.device),
             "depth": torch.arange(n, device=self.device),

@@ -223,3 +223,17 @@ def test_fits_are_cached_per_machine(setup, tmp_path, monkeypatch):
     assert cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "shipped", calib)["chat"].fit is bank.shipped_fit
     cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "refit", calib)
     assert len(timed) == 2
+
+
+def test_tau_must_beat_the_static_tree_by_a_margin():
+    """A switching τ whose predicted gain is under TAU_MIN_GAIN stays the static tree."""
+    from types import SimpleNamespace
+
+    from entmtp.calibrate import TAU_MIN_GAIN, _fit_tau
+    from entmtp.policy import StaticPolicy
+
+    for gain, switches in ((TAU_MIN_GAIN / 2, False), (TAU_MIN_GAIN * 2, True)):
+        run = lambda pol, g=gain: SimpleNamespace(tokens_per_s=100.0 * (1 + g) if pol.small != pol.large else 100.0)  # noqa: E731
+        pol, tps = _fit_tau([0, 1], [0.3, 0.6], "p0", StaticPolicy(1), 100.0, run)
+        assert (pol.small != pol.large) == switches
+        assert tps == pytest.approx(100.0 * (1 + gain) if switches else 100.0)

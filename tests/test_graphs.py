@@ -92,3 +92,17 @@ def test_graphs_apply_only_on_cuda_and_can_be_turned_off(monkeypatch):
     assert graphs.Graphs.of(model) is None  # a CPU model decodes eagerly
     monkeypatch.setenv(graphs.ENV, "0")
     assert not graphs.enabled()
+
+
+def test_a_failed_capture_leaves_the_slot_decoding_eagerly():
+    """Where capture is refused (here: no CUDA at all) the slot warns once and verifies eagerly."""
+    model = tiny_llama(seed=3)
+    heads = random_heads(model)
+    engine = Engine(model)
+    engine.graphs = graphs.Graphs(model, capture=True)
+    prompt = [4, 1, 7]
+    s = Strategy("t", TopologyBank.of(NAMED["mc_sim_7b_63"]), StaticPolicy(0), heads)
+    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+        out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=20)))
+    assert out.token_ids == reference(model, prompt, 20)
+    assert not engine.graphs.slots[0].capture

@@ -467,7 +467,9 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         if not is_packed(rt.model):
             raise UsageError("packed kernels need PyTorch with oneDNN on this CPU: there is nothing to compare here")
         cfg = KernelBenchConfig(reps=args.reps, context=args.context)
-        result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32",
+        from .kernels import label
+
+        result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32", "kernels": label(rt.model),
                   **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__}
     finally:
         torch.set_num_threads(threads)

@@ -256,7 +256,7 @@ def floor_section(k: dict) -> str:
 
     f = k["floor"]
     lines = [
-        f"## Step time against its floor: {k['hardware']}",
+        f"## Step time against its floor: {k['hardware']}" + (f", `{k['kernels']}` kernels" if k.get("kernels") else ""),
         "",
         f"`python -m entmtp kernels` ({k['weights']}; {k['context']} tokens of context; medians of {k['reps']}, "
         f"served and stock kernels interleaved{'; `' + k['source'] + '`' if k.get('source') else ''}). "

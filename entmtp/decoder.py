@@ -195,16 +195,20 @@ def plan(model: nn.Module) -> Plan | None:
     return cached or None
 
 
-def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`, operation for operation."""
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`, operation for operation (its weight and epsilon passed in)."""
     dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return rms(x, norm.weight, norm.variance_epsilon)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -238,8 +242,8 @@ def forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torc
         h = _rms(layer.input_layernorm, x)
         q, k, v = qkv(h) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
         q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
         k, v = c.update(k, v)
         out, _ = kernels.tree_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
         x = residual + attn.o_proj(out.reshape(1, q_len, -1).contiguous())

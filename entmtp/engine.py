@@ -253,9 +253,9 @@ class Engine:
 
 def _chain(n: int):
     """A chain of n nodes (the shape warm-up verifies at each size)."""
-    from .topology import compile_tree
+    from .topology import chain, compile_tree
 
-    return compile_tree([[0] * d for d in range(1, n)], f"chain{n}")
+    return compile_tree(chain(n - 1), f"chain{n}")
 
 
 def _clock(device: torch.device):

@@ -8,8 +8,8 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 - `Slot` holds the keys and values of every layer in one preallocated buffer
   [layers, kv_heads, capacity, head_dim] and the committed length; a new request takes a free
   slot (two requests decoding side by side, as the app races them, take two).
-- `Slot.run` is the forward of a block of n new tokens at fixed shapes: embedding, per layer the
-  model's own RMSNorm and projections, rotary embedding at positions past + depth, the block's
+- `Slot.run` is the forward of a block of n new tokens at fixed shapes: embedding, per layer its
+  RMSNorm and projections (`layer_math`: transformers' arithmetic on the layer's weights), rotary embedding at positions past + depth, the block's
   keys and values written in place at past .. past + n - 1, attention of the block over the
   buffer's first `span` entries under a mask (committed positions visible, the tree's block mask
   over the new ones, nothing beyond; span is a power of two, at least 256, so a step reads at most
@@ -23,7 +23,7 @@ launch. Graphs need fixed shapes and fixed addresses, so:
 - `compiled=True` (opt-in) runs the layers through `torch.compile` inside the graphs: fewer,
   fused kernels; one compilation per block size at warm-up.
 
-The arithmetic is the model's own modules', but a tree block's attention reads a longer masked
+The arithmetic is transformers' on the model's weights, but a tree block's attention reads a longer masked
 row than transformers' (which stops at past + n) and computes it as three products (`attend`);
 compiled layers also fuse and reorder. So results can differ from `generate` in the last bits:
 greedy tokens can differ only where two logits tie within float noise (`scripts/gpu_check.py`
@@ -44,6 +44,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .decoder import rms, rotate_half
 
 ENV = "ENTMTP_CUDA_GRAPHS"
 MIN_SPAN = 256  # attention reads the first `span` buffer entries: a power of two >= the entries in use
@@ -66,18 +68,6 @@ def supported(model: nn.Module) -> bool:
     return getattr(cfg, "hidden_act", "") == "silu"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`, operation for operation."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def attend(q, keys, values, mask, scaling: float, explicit: bool):
     """Attention of stacked-group queries q [1, kv_heads, groups * n, dim] over keys/values
     [kv_heads, span, dim] under an additive mask [1, 1, groups * n, span]. explicit: as three
@@ -90,25 +80,27 @@ def attend(q, keys, values, mask, scaling: float, explicit: bool):
     return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values[None])
 
 
-def layer_math(x, cos, sin, mask, where, keys, values, w_in, wq, wk, wv, wo, w_post, wg, wu, wd,
-               eps: float, heads: int, kv_heads: int, dim: int, scaling: float, explicit: bool = True):
-    """One Llama layer (no biases) over n new tokens, as plain tensor operations on its weights: what
-    `torch.compile` fuses (`compile=True`). Writes the block's keys and values into `keys`/`values`
-    [kv_heads, capacity, dim] at `where`; `mask` is the stacked-group mask [1, 1, groups * n, capacity]."""
+def layer_math(x, cos, sin, mask, where, keys, values, w_in, wq, bq, wk, bk, wv, bv, wo, bo, w_post, wg, bg, wu, bu, wd, bd,
+               eps: float, heads: int, kv_heads: int, dim: int, scaling: float, explicit: bool):
+    """One Llama layer over n new tokens, as plain tensor operations on its weights (biases may be
+    None): the arithmetic of transformers' modules (`decoder.rms` is `LlamaRMSNorm`, `F.linear` is
+    `nn.Linear`), and what `torch.compile` fuses (`compiled`). Writes the block's keys and values
+    into `keys`/`values` [kv_heads, span, dim] at `where`; `mask` is the stacked-group mask
+    [1, 1, groups * n, span]; `explicit` picks `attend`'s three products over the fused kernel."""
     n = x.shape[1]
-    h = _rms(x, w_in, eps)
-    q = F.linear(h, wq).view(1, n, heads, dim).transpose(1, 2)
-    k = F.linear(h, wk).view(1, n, kv_heads, dim).transpose(1, 2)
-    v = F.linear(h, wv).view(1, n, kv_heads, dim).transpose(1, 2)
-    q = (q * cos) + (_rotate_half(q) * sin)
-    k = (k * cos) + (_rotate_half(k) * sin)
+    h = rms(x, w_in, eps)
+    q = F.linear(h, wq, bq).view(1, n, heads, dim).transpose(1, 2)
+    k = F.linear(h, wk, bk).view(1, n, kv_heads, dim).transpose(1, 2)
+    v = F.linear(h, wv, bv).view(1, n, kv_heads, dim).transpose(1, 2)
+    q = (q * cos) + (rotate_half(q) * sin)
+    k = (k * cos) + (rotate_half(k) * sin)
     keys.index_copy_(1, where, k[0])
     values.index_copy_(1, where, v[0])
     q = q.reshape(1, kv_heads, (heads // kv_heads) * n, dim)
     out = attend(q, keys, values, mask, scaling, explicit)
-    x = x + F.linear(out.reshape(1, heads, n, dim).transpose(1, 2).reshape(1, n, -1), wo)
-    h = _rms(x, w_post, eps)
-    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    x = x + F.linear(out.reshape(1, heads, n, dim).transpose(1, 2).reshape(1, n, -1), wo, bo)
+    h = rms(x, w_post, eps)
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
 
 _COMPILED = None
@@ -124,11 +116,6 @@ def compiled_layer():
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _COMPILED = torch.compile(layer_math, dynamic=False, fullgraph=True)
     return _COMPILED
-
-
-def compilable(model: nn.Module) -> bool:
-    cfg = model.config
-    return not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
 
 
 def causal_block(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -147,11 +134,17 @@ class Slot:
         self.dtype, self.device = self.head.weight.dtype, self.head.weight.device
         self.heads, self.kv_heads, self.dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         self.capture = capture
-        self.compile = compile and compilable(model)  # tree blocks through `compiled_layer`
+        self.compile = compile  # tree blocks through `compiled_layer`
         self.eps = float(base.layers[0].input_layernorm.variance_epsilon)
-        self.weights = [(layer.input_layernorm.weight, layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                         layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                         layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight) for layer in base.layers]
+        self.scaling = float(attn.scaling)
+
+        def params(*linears):
+            return [t for m in linears for t in (m.weight, m.bias)]
+
+        self.weights = [(layer.input_layernorm.weight, *params(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                                               layer.self_attn.o_proj),
+                         layer.post_attention_layernorm.weight, *params(layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+                        for layer in base.layers]
         self.capacity = 0
         self.length = 0  # committed entries
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}  # (n, span) ->
@@ -209,7 +202,7 @@ class Slot:
         among themselves -> final normed hidden (n, H), logits (n, V). Writes their keys and values
         at past .. past + n - 1 < span. Every shape is fixed by n and the span. `tree`: a tree block
         (what the graphs capture): explicit attention, and the layers through `compiled_layer` if the
-        slot compiles; else (a prompt) the fused attention kernel and the model's modules."""
+        slot compiles; else (a prompt) the fused attention kernel."""
         n = ids.shape[0]
         base = self.base
         x = base.embed_tokens(ids)[None]  # (1, n, H)
@@ -224,31 +217,10 @@ class Slot:
         groups = self.heads // self.kv_heads
         mask = mask.repeat(groups, 1)[None, None]  # queries of a group stacked over their key/value head
         where = past + torch.arange(n, device=self.device)
-        if tree and self.compile:
-            fn, attn = compiled_layer(), base.layers[0].self_attn
-            for i, w in enumerate(self.weights):
-                x = fn(x, cos, sin, mask, where, self.k[i, :, :span], self.v[i, :, :span], *w, self.eps, self.heads, self.kv_heads, self.dim,
-                       float(attn.scaling), True)
-            hidden = base.norm(x)[0]
-            return hidden, self.head(hidden)
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            residual = x
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, n, self.heads, self.dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, n, self.kv_heads, self.dim).transpose(1, 2)
-            v = attn.v_proj(h).view(1, n, self.kv_heads, self.dim).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = self.k[i, :, :span], self.v[i, :, :span]
-            keys.index_copy_(1, where, k[0])
-            values.index_copy_(1, where, v[0])
-            q = q.reshape(1, self.kv_heads, groups * n, self.dim)
-            out = attend(q, keys, values, mask, attn.scaling, tree)
-            out = out.reshape(1, self.heads, n, self.dim).transpose(1, 2).reshape(1, n, -1)
-            x = residual + attn.o_proj(out)
-            residual = x
-            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        fn = compiled_layer() if tree and self.compile else layer_math
+        for i, w in enumerate(self.weights):
+            x = fn(x, cos, sin, mask, where, self.k[i, :, :span], self.v[i, :, :span], *w, self.eps, self.heads, self.kv_heads,
+                   self.dim, self.scaling, tree)
         hidden = base.norm(x)[0]
         return hidden, self.head(hidden)
 

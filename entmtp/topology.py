@@ -113,6 +113,13 @@ class Tree:
             node = kids[r]
         return node
 
+    def depth_on(self, device: torch.device) -> torch.Tensor:
+        """`depth_tensor` on `device`, cached per device (a copy per step costs a transfer on a GPU)."""
+        cache = self.__dict__.setdefault("_depth_cache", {})
+        if str(device) not in cache:
+            cache[str(device)] = self.depth_tensor.to(device)
+        return cache[str(device)]
+
     def mask_block(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(N, N) additive mask: 0 where attending, dtype-min where blocked. Cached per dtype/device."""
         key = (dtype, str(device))

@@ -36,22 +36,13 @@ def tree_forward(model, cache, tree: Tree, tokens: torch.Tensor, past: int):
     dtype = model.get_output_embeddings().weight.dtype
     n = tree.n_nodes
     if isinstance(cache, graphs.Cache):  # one CUDA graph per tree size over the static buffers
-        return cache.slot.block(tokens, _on(tree, "depth", device), tree.mask_block(cache.slot.dtype, device), graph=True)
-    pos = (_on(tree, "depth", device) + past)[None]
+        return cache.slot.block(tokens, tree.depth_on(device), tree.mask_block(cache.slot.dtype, device), graph=True)
+    pos = (tree.depth_on(device) + past)[None]
     if n == 1:  # plain decoding: the causal default is the mask; keeps generate's exact kernel path
         return forward(model, cache, tokens[None], pos, None)
     block = tree.mask_block(dtype, device)  # (N, N): 0 on ancestors (self included), min elsewhere
     mask = torch.cat([torch.zeros(n, past, dtype=dtype, device=device), block], dim=1)[None, None]
     return forward(model, cache, tokens[None], pos, mask)
-
-
-def _on(tree: Tree, what: str, device: torch.device) -> torch.Tensor:
-    """The tree's depth tensor on `device`, kept on the tree (a copy per step costs a transfer on a GPU)."""
-    cache = tree.__dict__.setdefault("_device_cache", {})
-    key = (what, str(device))
-    if key not in cache:
-        cache[key] = tree.depth_tensor.to(device)
-    return cache[key]
 
 
 def accept_greedy(tree: Tree, tokens: list[int], target: list[int]) -> tuple[list[int], int]:

@@ -106,3 +106,25 @@ def test_a_failed_capture_leaves_the_slot_decoding_eagerly():
         out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=20)))
     assert out.token_ids == reference(model, prompt, 20)
     assert not engine.graphs.slots[0].capture
+
+
+def test_biased_projections_decode_as_generate():
+    """Llama layers with attention and MLP biases (`layer_math` takes them as plain tensors)."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(7)
+    cfg = tiny_config(48, 256, initializer_range=0.2, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)  # transformers initialises biases to zero
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    engine = static_engine(model)
+    prompt = [3, 9, 27, 4, 11]
+    s = Strategy("t", TopologyBank.of(TREES[3]), StaticPolicy(0), random_heads(model))
+    assert collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=30))).token_ids == reference(model, prompt, 30)

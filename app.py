@@ -125,7 +125,7 @@ def make_race(cfg: AppConfig, models: Models):
                 badge(ent, base, req.temperature),
                 plots.race_figure(sides) if charts else gr.skip(),
                 plots.accepted_figure(sides) if charts else gr.skip(),
-                plots.features_figure(ent.records, tau, pol.feature) if charts else gr.skip(),
+                plots.features_figure(ent.records, tau, pol.feature, depth=pol.depth or bank.max_depth) if charts else gr.skip(),
                 plots.usage_figure(ent.records) if charts else gr.skip(),
                 tree_plot(view) if charts else gr.skip(),
                 gr.update(maximum=max(2, len(ent.records)), value=len(ent.records), interactive=finished) if finished else gr.skip(),

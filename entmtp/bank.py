@@ -190,6 +190,8 @@ def policies_json(policies: dict[str, Policy], trees: list[Tree]) -> dict[str, A
         else:
             pol[name] = {"small": trees[p.small].name, "large": trees[p.large].name, "tau_on": p.tau_on,
                          "tau_off": p.tau_off, "feature": p.feature}
+        if p.depth and p.feature == "path_value":
+            pol[name]["depth"] = p.depth
     return pol
 
 
@@ -208,6 +210,12 @@ def parse_policies(pols: dict, ids: dict[str, int], where: str) -> dict[str, Pol
             raise BankError(f"{w}.feature: unknown feature {name!r} (expected one of {', '.join(FEATURES)})")
         return name
 
+    def depth(obj: dict, w: str) -> int:
+        d = obj.get("depth", 0)
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise BankError(f"{w}.depth: expected a non-negative integer, got {d!r}")
+        return d
+
     policies: dict[str, Policy] = {}
     try:
         w = f"{where}.static"
@@ -219,7 +227,7 @@ def parse_policies(pols: dict, ids: dict[str, int], where: str) -> dict[str, Pol
             if n not in ids:
                 raise BankError(f"{w}.trees: unknown tree id {n!r}")
         thr = [float(x) for x in _need(lad, "thresholds", w, list)]
-        policies["ladder"] = LadderPolicy(tuple(ids[n] for n in names), tuple(thr), feature(lad, w))
+        policies["ladder"] = LadderPolicy(tuple(ids[n] for n in names), tuple(thr), feature(lad, w), depth(lad, w))
         tau = _need(pols, "tau", where, dict)
         w = f"{where}.tau"
         policies["tau"] = TauPolicy(
@@ -228,6 +236,7 @@ def parse_policies(pols: dict, ids: dict[str, int], where: str) -> dict[str, Pol
             float(_need(tau, "tau_on", w, (int, float))),
             float(_need(tau, "tau_off", w, (int, float))),
             feature(tau, w),
+            depth(tau, w),
         )
     except ValueError as err:
         if isinstance(err, BankError):

@@ -192,6 +192,7 @@ class RoundRobin:
 
     count: int
     feature: str = "p0"
+    depth: int = 0
     name = "round-robin"
 
     def chooser(self):
@@ -266,23 +267,32 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     front, τ over pairs of front trees, each on every feature; the feature with the best
     predicted throughput is kept. `baseline` (Hydra's tree and its step cost) is scored too.
     `chain_ms[d]` is the cost of the heads' top-1 chain to depth d: a policy on the path value
-    runs it through the bank's depth every step, so a shallower tree then costs the difference.
+    through d heads runs it every step, so a shallower tree then costs the difference; every d
+    from 1 to the bank's depth is fitted and the best kept (`features.path_value.depth`).
     """
     measured, step_ms = list(step_ms), monotone_costs(trees, step_ms)
     all_trees = trees + ([baseline[0]] if baseline else [])
     costs = step_ms + ([baseline[1]] if baseline else [])
     tables = Tables(all_trees, traces)
     depth = max(t.max_depth for t in trees)
-    feats = {f: [t.feature(f, depth) for t in traces] for f in FEATURES}
+    # the path value may read fewer heads than the bank's depth: g_d for d = 1..depth each
+    options = [(f, 0) for f in FEATURES if f != "path_value"] + [("path_value", d) for d in range(1, depth + 1)]
+    feats = {(f, d): [t.feature(f, d or depth) for t in traces] for f, d in options}
 
-    extra = [0.0] * len(all_trees)
-    if chain_ms:
-        extra = [max(0.0, chain_ms[min(depth, len(chain_ms) - 1)] - chain_ms[min(t.max_depth, len(chain_ms) - 1)]) for t in all_trees]
-    deep = [c + e for c, e in zip(costs, extra)]
+    def chain_extra(d: int) -> list[float]:
+        """Per tree, the heads a path-value feature through depth d runs beyond the tree's own."""
+        if not chain_ms:
+            return [0.0] * len(all_trees)
+        top = len(chain_ms) - 1
+        return [max(0.0, chain_ms[min(d, top)] - chain_ms[min(t.max_depth, top)]) for t in all_trees]
+
+    deep = {d: [c + e for c, e in zip(costs, chain_extra(d))] for d in range(1, depth + 1)}
 
     def run(policy: Policy):
-        cost = deep if policy.feature == "path_value" and not isinstance(policy, StaticPolicy) else costs
-        return simulate(tables, policy.chooser, feats[policy.feature], cost, prefill_ms_per_token)
+        d = policy.depth or depth
+        cost = deep[d] if policy.feature == "path_value" and not isinstance(policy, StaticPolicy) else costs
+        return simulate(tables, policy.chooser, feats[(policy.feature, d if policy.feature == "path_value" else 0)], cost,
+                        prefill_ms_per_token)
 
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
     per_tree = {t.name: {"mean_accepted": round(o.mean_accepted, 4), "step_ms": round(step_ms[i], 3),
@@ -296,15 +306,22 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     big = max(range(len(trees)), key=lambda i: trees[i].n_nodes)
     acc_big = [a for row in tables.accepted[big] for a in row]
     by_feature: dict[str, dict[str, Any]] = {}
-    best_feature, best_score, fitted = "p0", float("-inf"), {}
-    for f in FEATURES:
-        values = [v for row in feats[f] for v in row]
+    best_feature, best_depth, best_score, fitted = "p0", 0, float("-inf"), {}
+    for f, d in options:
+        values = [v for row in feats[(f, d)] for v in row]
         grid_f = _quantiles(values, grid)
-        ladder, ladder_tps = _fit_ladder(front, grid_f, f, run)
-        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, run)
-        by_feature[f] = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
+        ladder, ladder_tps = _fit_ladder(front, grid_f, f, run, d)
+        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, run, d)
+        row = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
+        if f == "path_value":  # each depth under "depths"; the feature's own row is its best depth's
+            entry = by_feature.setdefault(f, {"depths": {}})
+            entry["depths"][str(d)] = row
+            if "depth" not in entry or max(ladder_tps, tau_tps) > max(entry["ladder"], entry["tau"]) + 1e-9:
+                entry.update(row, depth=d)
+        else:
+            by_feature[f] = row
         if max(ladder_tps, tau_tps) > best_score + 1e-9:
-            best_feature, best_score, fitted = f, max(ladder_tps, tau_tps), {"ladder": ladder, "tau": tau}
+            best_feature, best_depth, best_score, fitted = f, d, max(ladder_tps, tau_tps), {"ladder": ladder, "tau": tau}
     policies = {"static": static, **fitted}
     outcomes = {name: run(p) for name, p in policies.items()}
     degenerate = {}
@@ -321,7 +338,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         "trees": per_tree,
         "front": [trees[i].name for i in front],
         "feature": best_feature,
-        "feature_depth": depth,
+        "feature_depth": best_depth,  # heads the path value reads (0: the feature is not the path value)
         "features": by_feature,
         "policies": policies_json(policies, trees),
         "degenerate": degenerate,
@@ -337,11 +354,11 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     return fit
 
 
-def _fit_ladder(front: list[int], grid: list[float], feature: str, run) -> tuple[LadderPolicy, float]:
+def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: int = 0) -> tuple[LadderPolicy, float]:
     """Thresholds over the front trees (by size) by coordinate ascent on the feature's quantiles."""
     k = len(front)
     thr = [grid[min(len(grid) - 1, round((i + 1) * len(grid) / k) - 1)] for i in range(k - 1)] if k > 1 else []
-    make = lambda t: LadderPolicy(tuple(front), tuple(t), feature)  # noqa: E731
+    make = lambda t: LadderPolicy(tuple(front), tuple(t), feature, depth)  # noqa: E731
     best = run(make(thr)).tokens_per_s
     for _ in range(3):
         changed = False
@@ -361,17 +378,18 @@ def _fit_ladder(front: list[int], grid: list[float], feature: str, run) -> tuple
 TAU_MIN_GAIN = 0.01  # a switching τ must beat the static tree by this share of its predicted tok/s
 
 
-def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPolicy, static_tps: float, run) -> tuple[TauPolicy, float]:
+def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPolicy, static_tps: float, run,
+             depth: int = 0) -> tuple[TauPolicy, float]:
     """Every pair small < large of front trees, τ_off <= τ_on on the grid; the static tree unless one
     beats it by TAU_MIN_GAIN (a smaller predicted gain is within the resolution of the measured step
     costs: on the AMD EPYC such a τ measured 6–10% below its static tree)."""
-    best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, feature), static_tps
+    best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, feature, depth), static_tps
     bar = static_tps * (1 + TAU_MIN_GAIN)
     for a, small in enumerate(front):
         for large in front[a + 1 :]:
             for on in grid:
                 for off in [g for g in grid if g <= on]:
-                    cand = TauPolicy(small, large, on, off, feature)
+                    cand = TauPolicy(small, large, on, off, feature, depth)
                     score = run(cand).tokens_per_s
                     if score > max(best, bar) + 1e-9:
                         best, best_pol = score, cand
@@ -474,7 +492,8 @@ def fit_table(fit: dict) -> str:
         b = fit["baseline"]
         lines.append(f"{b['name']:<10} {b['mean_accepted']:>8.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>10.2f}  (hydra's tree, not in the bank)")
     pol = fit["policies"]
-    lines.append(f"feature: {fit['feature']}  (rank correlation with accepted length: "
+    through = f" through {fit['feature_depth']} head(s)" if fit["feature"] == "path_value" and fit.get("feature_depth") else ""
+    lines.append(f"feature: {fit['feature']}{through}  (rank correlation with accepted length: "
                  + ", ".join(f"{k} {v['spearman']:+.2f}" for k, v in fit["features"].items()) + ")")
     lines.append(f"static: {pol['static']['tree']}; ladder: {' < '.join(pol['ladder']['trees'])} at {pol['ladder']['thresholds']}; "
                  f"tau: {pol['tau']['small']} <-> {pol['tau']['large']} on {pol['tau']['tau_on']:.3f} / off {pol['tau']['tau_off']:.3f}")

@@ -8,16 +8,21 @@ from .heads import DraftHeads
 from .topology import Tree
 
 
-def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int) -> tuple[list[torch.Tensor], list[float]]:
+def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
+               prefix: tuple[list[torch.Tensor], list[float]] | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Run heads 0..depth-1 along the top-1 path from the root.
 
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
-    top-1 probability p_d of each, for the confidence feature.
+    top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
+    chain from the same root and feature: its heads are not run again.
     """
-    logits, probs = [], []
+    logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
+    for row in logits:  # the prefix's top-1 tokens, picked exactly as below
+        idx = torch.softmax(row.float(), -1).max(-1)[1]
+        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
     h = feature[None]  # (1, H)
-    for d in range(depth):
+    for d in range(len(logits), depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
         logits.append(row)

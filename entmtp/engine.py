@@ -55,7 +55,7 @@ class StepRecord:
     s: float
     entropy: float
     path_value: float  # value of the heads' top-1 path through the chosen tree's depth (g_D)
-    feature: float  # the value the policy read (its feature: p0, g_D through the bank's depth, exp(-entropy))
+    feature: float  # the value the policy read (its feature: p0, g_d through the policy's depth, exp(-entropy))
     accepted: int  # tokens emitted this step
     accepted_nodes: list[int]  # node ids of the accepted path in the tree
     draft_tokens: list[int]  # candidate token per tree node, root first
@@ -168,15 +168,17 @@ class Engine:
         produced, step = 0, 0
 
         feature_name = strategy.policy.feature
+        # a policy on the path value reads g_d through its own depth (0: the bank's)
+        feature_depth = min(strategy.policy.depth or bank.max_depth, bank.max_depth)
         smallest = min(range(len(bank)), key=lambda i: bank[i].n_nodes)
         while True:
             t0 = clock()
-            # schedule: the policy's feature (p0, the heads' path value g_D through the bank's depth,
-            # or exp(-entropy)), its tree, and the heads' top-1 path to the depth the tree needs
+            # schedule: the policy's feature (p0, the heads' path value g_d through the policy's
+            # depth, or exp(-entropy)), its tree, and the heads' top-1 path to the depth the tree needs
             s, entropy = confidence(z)
             chain, chain_probs = [], []
             if feature_name == "path_value" and heads is not None:
-                chain, chain_probs = drafting.top1_chain(heads, feature, root, bank.max_depth)
+                chain, chain_probs = drafting.top1_chain(heads, feature, root, feature_depth)
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
             idx = choose(feat)
             if past + bank[idx].n_nodes > self.max_positions:
@@ -184,7 +186,7 @@ class Engine:
             tree = bank[idx]
             depth = tree.max_depth if heads is not None else 0
             if len(chain) < depth:
-                chain, chain_probs = drafting.top1_chain(heads, feature, root, depth)
+                chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, (chain, chain_probs))
             chain, chain_probs = chain[:depth], chain_probs[:depth]
             value = path_value(s, chain_probs)
             t1 = clock()

@@ -138,12 +138,14 @@ FEATURE_NAMES = {"p0": "s = top-1 prob", "path_value": "path value g_D", "neg_en
 
 
 def features_figure(
-    records: Sequence[StepRecord], tau: tuple[float, float] | None = None, feature: str = "p0", height: int = 360
+    records: Sequence[StepRecord], tau: tuple[float, float] | None = None, feature: str = "p0", height: int = 360,
+    depth: int = 0,
 ) -> go.Figure:
     """Per step: the confidence s and the entropy (top), and the tree the policy picked (bottom).
 
-    `feature` names what the policy reads; `tau` = (tau_on, tau_off) draws its hysteresis
-    thresholds on that feature's axis (all features lie in [0, 1]).
+    `feature` names what the policy reads (`depth`: the heads its path value reads, 0 if unknown);
+    `tau` = (tau_on, tau_off) draws its hysteresis thresholds on that feature's axis (all features
+    lie in [0, 1]).
     """
     title = "What the policy sees, and the tree it picks"
     sub = ("s = the model's top-1 probability (high → bigger tree); g_D = s × the heads' top-1 probabilities "
@@ -166,7 +168,7 @@ def features_figure(
     fig.add_trace(
         go.Scatter(
             x=steps, y=[r.feature if feature == "path_value" else r.path_value for r in records], mode="lines",
-            name="path value g_D" + (" (through the bank's depth)" if feature == "path_value" else ""),
+            name=(f"path value g_{depth or 'd'}: the policy's feature" if feature == "path_value" else "path value g_D"),
             line=dict(color=COLORS[2], width=1.4), hovertemplate="step %{x}: g_D = %{y:.3f}<extra></extra>",
         ),
         row=1, col=1,

@@ -54,6 +54,7 @@ class StaticPolicy:
 
     tree: int = 0
     feature: str = "p0"  # read but unused: one tree whatever the value
+    depth: int = 0
     name = "static"
 
     def chooser(self) -> Chooser:
@@ -67,11 +68,14 @@ class LadderPolicy:
     trees: tuple[int, ...]
     thresholds: tuple[float, ...]
     feature: str = "p0"
+    depth: int = 0  # path_value: through the first `depth` heads (0: the bank's depth)
     name = "ladder"
 
     def __post_init__(self):
         if self.feature not in FEATURES:
             raise ValueError(f"ladder: unknown feature {self.feature!r}")
+        if self.depth < 0:
+            raise ValueError(f"ladder: depth must be >= 0, got {self.depth}")
         if len(self.thresholds) != len(self.trees) - 1:
             raise ValueError(f"ladder: {len(self.trees)} trees need {len(self.trees) - 1} thresholds, got {len(self.thresholds)}")
         if list(self.thresholds) != sorted(self.thresholds):
@@ -93,11 +97,14 @@ class TauPolicy:
     tau_on: float
     tau_off: float
     feature: str = "p0"
+    depth: int = 0  # path_value: through the first `depth` heads (0: the bank's depth)
     name = "tau"
 
     def __post_init__(self):
         if self.feature not in FEATURES:
             raise ValueError(f"tau: unknown feature {self.feature!r}")
+        if self.depth < 0:
+            raise ValueError(f"tau: depth must be >= 0, got {self.depth}")
         if self.tau_off > self.tau_on:
             raise ValueError(f"tau: tau_off ({self.tau_off}) must not exceed tau_on ({self.tau_on})")
 

@@ -186,7 +186,8 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
     where = "fitted to **this machine**" if rt.fitted_here(task) else "⚠️ shipped fit, measured on **another machine**"
     degenerate = "; ".join(f"{k} {v}" for k, v in fit.get("degenerate", {}).items())
     return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
-            f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`."
+            f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
+            + (f" through {fit['feature_depth']} head(s)." if fit.get("feature") == "path_value" and fit.get("feature_depth") else ".")
             + (f" Note: {degenerate}." if degenerate else ""))
 
 
@@ -197,12 +198,13 @@ def entmtp_policy(bank: TopologyBank, req: Request) -> tuple[Policy, str]:
     if req.tau is None:
         return pol, label
     fitted = bank.policies.get("tau")
-    small, large, feature = (fitted.small, fitted.large, fitted.feature) if isinstance(fitted, TauPolicy) else (0, len(bank) - 1, "p0")
+    small, large, feature, depth = ((fitted.small, fitted.large, fitted.feature, fitted.depth) if isinstance(fitted, TauPolicy)
+                                    else (0, len(bank) - 1, "p0", 0))
     if small == large:  # a degenerate fit: switch from its tree to the next larger tree of the front
         front = sorted(bank.front, key=lambda i: bank.trees[i].n_nodes)
         bigger = [i for i in front if bank.trees[i].n_nodes > bank.trees[small].n_nodes]
         large = bigger[0] if bigger else large
-    return TauPolicy(small, large, req.tau[0], req.tau[1], feature), f"{label} (your τ {req.tau[0]:.2f}/{req.tau[1]:.2f})"
+    return TauPolicy(small, large, req.tau[0], req.tau[1], feature, depth), f"{label} (your τ {req.tau[0]:.2f}/{req.tau[1]:.2f})"
 
 
 # -- one side of the race ------------------------------------------------------------------------

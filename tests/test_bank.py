@@ -13,7 +13,7 @@ from entmtp.traces import Trace
 def valid_bank() -> dict:
     trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
     stats = [{"mean_accepted": 1.0 + i, "step_ms": 50.0 + i, "tokens_per_s": 20.0 + i} for i in range(3)]
-    policies = {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4, "path_value")}
+    policies = {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4, "path_value", 1)}
     fit = {"hardware": "cpu test", "fingerprint": {"device": "cpu test"}, "date": "2026-11-30", "front": ["ar", "t3"],
            "trees": {t.name: st for t, st in zip(trees, stats)}, "policies": policies_json(policies, trees)}
     traces = [Trace(4, [[0, 1, -1, -1], [2, -1, -1, -1]], [0.5, 0.25], [1.0, 2.0], [[0.5, 0.5, 0.5, 0.5]] * 2)]
@@ -46,7 +46,7 @@ def test_round_trip(tmp_path):
     back = load_bank(path)
     assert back.to_json() == raw
     assert isinstance(back.policy("tau"), TauPolicy) and back.policy("tau").large == 2
-    assert back.policy("tau").feature == "path_value"
+    assert back.policy("tau").feature == "path_value" and back.policy("tau").depth == 1
     assert [t.name for t in back.trees] == ["ar", "c2", "t3"]
     assert back.traces[0].rank_path(0) == (0, 1) and back.front == [0, 2] and back.fit["hardware"] == "cpu test"
 
@@ -91,6 +91,7 @@ def _break(mutate):
         (lambda r: r["traces"][0].pop("ranks"), r"traces\[0\]"),
         (lambda r: r.pop("fit"), "missing field 'fit'"),
         (lambda r: r["policies"]["tau"].__setitem__("feature", "vibes"), "unknown feature 'vibes'"),
+        (lambda r: r["policies"]["tau"].__setitem__("depth", -1), r"policies.tau.depth: expected a non-negative integer"),
     ],
 )
 def test_bad_fields_are_named(mutate, field):

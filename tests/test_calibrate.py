@@ -86,25 +86,31 @@ def test_traces_predict_every_tree_exactly(setup):
     assert accepted_some, "the heads must really get drafts accepted"
 
 
-@pytest.mark.parametrize("feature", ["p0", "path_value", "neg_entropy"])
-def test_traces_predict_switching_policies_exactly(setup, feature):
-    """A ladder and a τ policy pick the same tree at every step in simulation and in the engine."""
+@pytest.mark.parametrize("feature,depth", [("p0", 0), ("path_value", 0), ("path_value", 1), ("path_value", 2), ("neg_entropy", 0)])
+def test_traces_predict_switching_policies_exactly(setup, feature, depth):
+    """A ladder and a τ policy pick the same tree at every step in simulation and in the engine
+    (a path value through fewer heads than the bank's depth included)."""
     engine, heads, prompts, traces = setup
     trees = [compile_tree([], "ar"), compile_tree([[0]], "c1"), compile_tree([[0], [1], [0, 0]], "t3"),
              compile_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]], "t8")]
     bank = TopologyBank(trees, [{}] * 4, {})
-    values = sorted(v for t in traces for v in t.feature(feature, bank.max_depth))
+    reads = depth or bank.max_depth
+    values = sorted(v for t in traces for v in t.feature(feature, reads))
     q = cal._quantiles(values, 4)
     assert len(q) == 3
-    policies = [LadderPolicy((0, 1, 2, 3), tuple(q), feature), TauPolicy(1, 3, q[2], q[0], feature)]
+    policies = [LadderPolicy((0, 1, 2, 3), tuple(q), feature, depth), TauPolicy(1, 3, q[2], q[0], feature, depth)]
     tables = tr.Tables(trees, traces)
     for policy in policies:
         for j, prompt in enumerate(prompts):
             real = real_run(engine, heads, prompt, bank, policy)
-            sim = tr.simulate(tr.Tables(trees, [traces[j]]), policy.chooser, [traces[j].feature(feature, bank.max_depth)], [1.0] * 4)
+            sim = tr.simulate(tr.Tables(trees, [traces[j]]), policy.chooser, [traces[j].feature(feature, reads)], [1.0] * 4)
             assert sim.picks == [r.tree_index for r in real.steps], (policy, j)
             assert sim.tokens == real.new_tokens
-        picks = tr.simulate(tables, policy.chooser, [t.feature(feature, 4) for t in traces], [1.0] * 4).picks
+            if feature == "path_value":  # the engine read g_d through exactly `reads` heads
+                want = traces[j].feature(feature, reads)
+                starts = [sum(r.accepted for r in real.steps[:k]) for k in range(len(real.steps))]
+                assert [r.feature for r in real.steps] == pytest.approx([want[i] for i in starts], rel=1e-4, abs=1e-6)
+        picks = tr.simulate(tables, policy.chooser, [t.feature(feature, reads) for t in traces], [1.0] * 4).picks
         assert len(set(picks)) > 1, "thresholds at the quantiles must make the policy switch"
 
 
@@ -139,6 +145,13 @@ def test_fit_switches_where_switching_pays():
     dear = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 30.0, 30.0, 30.0])
     assert dear["feature"] != "path_value" and dear["chain_ms"] == [0.0, 30.0, 30.0, 30.0]
     assert dear["features"]["path_value"]["tau"] < dear["features"]["p0"]["tau"]
+    # a chain that is cheap for one head and dear beyond: the path value is fitted on g_1, where it
+    # costs nothing beyond the n2-d1 tree's own draft, and each depth is reported
+    shallow = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 0.5, 30.0, 30.0])
+    pv = shallow["features"]["path_value"]
+    assert pv["depth"] == 1 and set(pv["depths"]) == {"1", "2", "3"}
+    assert pv["tau"] == pv["depths"]["1"]["tau"] > pv["depths"]["3"]["tau"]
+    assert pv["tau"] > 1.2 * shallow["predicted_tokens_per_s"]["entmtp-static"]
     # with the big tree as cheap as the small one nothing is worth switching for: τ says so
     flat = cal.fit_task(trees, synthetic(), [10.0, 10.0, 10.0], 0.0, grid=12)
     assert flat["policies"]["static"]["tree"] == "n4-d3"

@@ -79,3 +79,23 @@ def test_expand_with_a_draft_vocabulary(model):
             got = expand(tree, heads, feature, root, chain).tolist()
             assert got == reference_draft(tree, heads, feature, root)
             assert all(t in range(5, 45, 2) for t in got[1:])
+
+
+@pytest.mark.parametrize("kind, kw", KINDS)
+def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw):
+    """The engine runs the top-1 chain to the policy's depth, then on to the tree's: the heads it
+    already ran are not run again, and the result is the chain run in one go."""
+    heads = random_heads(model, kind, **kw).requires_grad_(False)
+    for root, feature in features(model, heads, 4):
+        whole = top1_chain(heads, feature, root, 4)
+        for d in range(5):
+            calls = []
+            short = top1_chain(heads, feature, root, d)
+            original = heads.head_logits
+            heads.head_logits = lambda i, *a: calls.append(i) or original(i, *a)
+            try:
+                logits, probs = top1_chain(heads, feature, root, 4, short)
+            finally:
+                del heads.head_logits
+            assert calls == list(range(d, 4))
+            assert probs == whole[1] and all(torch.equal(a, b) for a, b in zip(logits, whole[0]))

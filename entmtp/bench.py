@@ -57,6 +57,11 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
             if m not in ("hf", "hf-lookup"):
                 sizes |= {tree.n_nodes for tree in rt.strategy(m, task).bank.trees}
     rt.engine.warmup(sorted(sizes))  # every forward shape once, outside the clock (`warmup` reports the times)
+    for task in {t for t, _ in encoded}:  # with CUDA graphs: the drafts' graphs too
+        for m in methods:
+            if m not in ("hf", "hf-lookup"):
+                strategy = rt.strategy(m, task)
+                rt.engine.warmup_drafts(strategy.heads, strategy.bank.trees)
     warm = GenerationConfig(max_new_tokens=cfg.warmup_new_tokens)
     for task in sorted({t for t, _ in encoded}):
         ids = next(i for t, i in encoded if t == task)
@@ -200,11 +205,14 @@ def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, 
 def warmup_report(rt, kernel_warmup: dict | None) -> dict[str, Any]:
     """What starting took, outside every clock: the whole start (`start_s`: weights, kernels,
     model), the GGUF extension within it (compiled now or loaded from its cache; null where it
-    was not used), and per tree size the first forward of its shapes (`per_tree_ms`)."""
+    was not used), per tree size the first forward of its shapes (`per_tree_ms`), and with CUDA
+    graphs the capture of each tree's draft (`draft_capture_ms`)."""
+    graphs = rt.engine.graphs
     return {
         "start_s": getattr(rt, "load_s", None),
         "kernels": kernel_warmup,
         "per_tree_ms": {str(n): ms for n, ms in sorted(rt.engine.warmup_ms.items())},
+        **({"draft_capture_ms": dict(graphs.drafts.capture_ms)} if graphs is not None and graphs.drafts.capture_ms else {}),
     }
 
 

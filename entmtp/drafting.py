@@ -18,46 +18,77 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
-    for row in logits:  # the prefix's top-1 tokens, picked exactly as below
+    for row in logits:  # the prefix's top-1 tokens, picked exactly as `chain` picks them
         idx = torch.softmax(row.float(), -1).max(-1)[1]
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
+    more, p = chain(heads, feature, path, depth)
+    return logits + more, probs + p.tolist()
+
+
+def chain(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The top-1 chain on the device, from `path` (1, d+1) = root and the chain's first d tokens
+    on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
+    (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it."""
     h = feature[None]  # (1, H)
-    for d in range(len(logits), depth):
+    logits, probs = [], []
+    for d in range(path.shape[1] - 1, depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
         logits.append(row)
-        probs.append(float(p))
+        probs.append(p)
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    return logits, probs
+    return logits, torch.stack(probs) if probs else torch.zeros(0, device=feature.device)
 
 
-def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int, chain: list[torch.Tensor]) -> torch.Tensor:
+def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole draft on the device: the top-1 chain through the tree's depth, then its expansion.
+    root (1,) long -> (tokens (N,), the chain's top-1 probabilities (depth,)); what
+    `graphs.Drafts` captures per tree."""
+    logits, probs = chain(heads, feature, root.view(1, 1), tree.max_depth)
+    return expand(tree, heads, feature, root, logits), probs
+
+
+def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int | torch.Tensor, chain: list[torch.Tensor]) -> torch.Tensor:
     """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
 
     Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
     their top-k become the children (child of rank r gets the rank-r token). Node order is
     (depth, path), so the rank-0 chain node (0, ..., 0) is the first parent when it has children;
     its logits then come from `chain`. It need not have any: in [[0], [1], [1, 0]] the only
-    parent at depth 1 is (1,).
+    parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device.
     """
     device = feature.device
     tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
-    tokens[0] = root
+    if isinstance(root, torch.Tensor):
+        tokens[:1] = root.view(1)
+    else:
+        tokens[0] = root
     for d, plan in enumerate(tree.plans):
-        parents = plan.parents.to(device)
+        parents, children, slot = _plan_on(tree, d, device)
         if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
             row = chain[d][None] if d < len(chain) else heads.head_logits(d, feature[None], tokens[:1, None])
             table = heads.to_token_ids(torch.topk(row, plan.k, dim=-1).indices).expand(len(parents), -1)
         else:
             reuse = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
             rows = [chain[d][None]] if reuse else []
-            paths = _ancestor_paths(tree, d)[len(rows) :].to(device)  # (P', d+1)
+            paths = _ancestor_paths(tree, d, device)[len(rows) :]  # (P', d+1)
             if len(paths):
                 rows.append(heads.head_logits(d, feature[None].expand(len(paths), -1), tokens[paths]))
             logits = torch.cat(rows, dim=0)  # (P, K)
             table = heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
-        tokens[plan.children.to(device)] = table.reshape(-1)[plan.slot.to(device)]
+        tokens[children] = table.reshape(-1)[slot]
     return tokens
+
+
+def _plan_on(tree: Tree, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Depth d's plan (parents, children, slot) on `device`, cached on the tree: a copy per step
+    costs a transfer on a GPU, and a CUDA graph may not make one."""
+    cache = tree.__dict__.setdefault("_plan_cache", {})
+    key = (d, str(device))
+    if key not in cache:
+        plan = tree.plans[d]
+        cache[key] = (plan.parents.to(device), plan.children.to(device), plan.slot.to(device))
+    return cache[key]
 
 
 def _is_chain_node(tree: Tree, node: int) -> bool:
@@ -65,10 +96,10 @@ def _is_chain_node(tree: Tree, node: int) -> bool:
     return node == 0 or not any(tree.paths[node - 1])
 
 
-def _ancestor_paths(tree: Tree, d: int) -> torch.Tensor:
-    """(P, d+1) node ids root..parent for each parent expanded at depth d (cached on the tree)."""
+def _ancestor_paths(tree: Tree, d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(P, d+1) node ids root..parent for each parent expanded at depth d (cached on the tree, per device)."""
     cache = tree.__dict__.setdefault("_anc_paths", {})
-    if d not in cache:
+    if (d, str(device)) not in cache:
         rows = []
         for node in tree.plans[d].parents.tolist():
             path = []
@@ -76,5 +107,5 @@ def _ancestor_paths(tree: Tree, d: int) -> torch.Tensor:
                 path.append(node)
                 node = tree.parent[node]
             rows.append(path[::-1])
-        cache[d] = torch.tensor(rows, dtype=torch.long)
-    return cache[d]
+        cache[(d, str(device))] = torch.tensor(rows, dtype=torch.long, device=device)
+    return cache[(d, str(device))]

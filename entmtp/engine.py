@@ -127,6 +127,22 @@ class Engine:
             self.warmup_ms[n] = round((time.perf_counter() - t0) * 1e3, 1)
             self._warm.add(n)
 
+    @torch.inference_mode()
+    def warmup_drafts(self, heads: DraftHeads | None, trees) -> None:
+        """Capture the heads' draft graphs for `trees` and their chains to every depth (CUDA graphs
+        only), outside any clock; the time each took is in `graphs.drafts.capture_ms`."""
+        if self.graphs is None or heads is None:
+            return
+        dtype = self.model.get_output_embeddings().weight.dtype
+        feature = torch.zeros(heads.hidden_size, dtype=dtype, device=self.device)
+        for tree in trees:
+            if tree.n_nodes > 1 and tree.max_depth <= heads.num_heads:
+                self.graphs.drafts.draft(heads, tree, feature, 0)
+        for d in range(1, max((t.max_depth for t in trees), default=0) + 1):
+            self.graphs.drafts.chain(heads, feature, 0, d)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def generate(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
         """Decode from `prompt_ids`: one record per step until EOS or the budget. Checks eagerly."""
         self.check(prompt_ids, gen)
@@ -170,6 +186,8 @@ class Engine:
         feature_name = strategy.policy.feature
         # a policy on the path value reads g_d through its own depth (0: the bank's)
         feature_depth = min(strategy.policy.depth or bank.max_depth, bank.max_depth)
+        # on CUDA with graphs the heads' chain and expansion replay as one graph per tree
+        drafts = self.graphs.drafts if self.graphs is not None and heads is not None else None
         smallest = min(range(len(bank)), key=lambda i: bank[i].n_nodes)
         while True:
             t0 = clock()
@@ -178,34 +196,42 @@ class Engine:
             s, entropy = confidence(z)
             chain, chain_probs = [], []
             if feature_name == "path_value" and heads is not None:
-                chain, chain_probs = drafting.top1_chain(heads, feature, root, feature_depth)
+                chain, chain_probs = (drafts.chain(heads, feature, root, feature_depth) if drafts is not None
+                                      else drafting.top1_chain(heads, feature, root, feature_depth))
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
             idx = choose(feat)
             if past + bank[idx].n_nodes > self.max_positions:
                 idx = smallest  # near the context end fall back to the bank's smallest tree
             tree = bank[idx]
             depth = tree.max_depth if heads is not None else 0
-            if len(chain) < depth:
-                chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, (chain, chain_probs))
-            chain, chain_probs = chain[:depth], chain_probs[:depth]
-            value = path_value(s, chain_probs)
+            captured = drafts is not None and tree.n_nodes > 1
+            if not captured:
+                if len(chain) < depth:
+                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, (chain, chain_probs))
+                chain, chain_probs = chain[:depth], chain_probs[:depth]
             t1 = clock()
             # draft
-            tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
+            if captured:  # the chain through the tree's depth and its expansion, on the device
+                tokens, probs = drafts.draft(heads, tree, feature, root)
+            else:
+                tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
             t2 = clock()
             # verify
             hidden, logits = verify.tree_forward(model, cache, tree, tokens, past)
             t3 = clock()
             # accept
-            tok_list = tokens.tolist()
-            if not sampling:
-                path, next_root = verify.accept_greedy(tree, tok_list, logits.argmax(-1).tolist())
+            if not sampling:  # drafts and the base argmax in one read from the device
+                tok_list, target = torch.stack([tokens, logits.argmax(-1)]).tolist()
+                path, next_root = verify.accept_greedy(tree, tok_list, target)
             elif gen.typical:
+                tok_list = tokens.tolist()
                 path, next_root = verify.accept_typical(
                     tree, tok_list, logits, gen.temperature, rng, gen.typical_epsilon, gen.typical_alpha
                 )
             else:
+                tok_list = tokens.tolist()
                 path, next_root = verify.accept_sample(tree, tok_list, logits, gen.temperature, rng)
+            value = path_value(s, probs.tolist() if captured else chain_probs)
             t4 = clock()
             # commit KV of the accepted path; the next step reads h and z at its last node
             kv.commit(cache, past, path, tree.n_nodes)

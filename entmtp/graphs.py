@@ -295,6 +295,79 @@ class Slot:
         self.length = past + keep
 
 
+class Drafts:
+    """The draft heads' work of a step as CUDA graphs: per tree, the top-1 chain through its depth
+    and its expansion (`drafting.draft`); per depth, the chain alone (what a policy on the path
+    value reads before it picks a tree). Eagerly, each is a few dozen small kernels and their
+    Python a step (on an H200 about a quarter of a deep tree's step with captured verification).
+
+    Inputs (the feature, the root token) are copied into static tensors and the graph replayed;
+    outputs are cloned. Graphs are keyed by the heads and the tree's paths, captured on first use
+    or by `Engine.warmup_drafts`; a failed capture warns once and drafting stays eager.
+    `capture=False` runs the same functions eagerly (how tests check them on a CPU).
+    """
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.capture_ms: dict[str, float] = {}
+        self.pool = None
+        self.lock = threading.Lock()  # two decodes (the app's race) may capture at once
+
+    def draft(self, heads, tree, feature: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (N,), the chain's top-1 probabilities (depth,)), both on the device."""
+        from .drafting import draft
+
+        return self._run(("draft", id(heads), tree.paths), lambda f, r: draft(tree, heads, f, r), feature, root, tree.name, heads)
+
+    def chain(self, heads, feature: torch.Tensor, root: int, depth: int) -> tuple[list[torch.Tensor], list[float]]:
+        """`drafting.top1_chain` to `depth`: the heads' logits and top-1 probabilities."""
+        from .drafting import chain
+
+        def fn(f, r):
+            logits, probs = chain(heads, f, r.view(1, 1), depth)
+            return (torch.stack(logits) if logits else f.new_zeros(0, 0)), probs
+
+        logits, probs = self._run(("chain", id(heads), depth), fn, feature, root, f"chain{depth}", heads)
+        return list(logits.unbind(0)), probs.tolist()
+
+    def _run(self, key: tuple, fn, feature: torch.Tensor, root: int, label: str, heads):
+        if not self.capture:
+            return fn(feature, torch.full((1,), root, dtype=torch.long, device=feature.device))
+        with self.lock:
+            if key not in self.graphs:
+                try:
+                    self._capture(key, fn, feature, label, heads)
+                except Exception as e:  # drafting goes on eagerly
+                    warnings.warn(f"CUDA graph capture of the draft failed ({type(e).__name__}: {e}); drafting stays eager")
+                    self.capture = False
+                    return self._run(key, fn, feature, root, label, heads)
+            g, static, outs = self.graphs[key]
+            static["feature"].copy_(feature)
+            static["root"].fill_(root)
+            g.replay()
+            return tuple(o.clone() for o in outs)
+
+    def _capture(self, key: tuple, fn, feature: torch.Tensor, label: str, heads) -> None:
+        t0 = time.perf_counter()
+        device = feature.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # the heads stay referenced while their graph lives (the key holds their id)
+        static = {"feature": feature.detach().clone(), "root": torch.zeros(1, dtype=torch.long, device=device), "heads": heads}
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # lazy set-up (the heads' draft-vocabulary weights, cuBLAS) outside the capture
+            fn(static["feature"], static["root"])
+        torch.cuda.current_stream(device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            outs = fn(static["feature"], static["root"])
+        torch.cuda.synchronize(device)
+        self.graphs[key] = (g, static, outs)
+        self.capture_ms[label] = round((time.perf_counter() - t0) * 1e3, 1)
+
+
 class Cache:
     """A request's view of a slot: what the engine's decode loop passes around as its KV cache.
     The slot goes back to the pool when the request's cache is dropped."""
@@ -317,6 +390,7 @@ class Graphs:
         self.capture = device.type == "cuda" if capture is None else capture
         self.slots: list[Slot] = []
         self.lock = threading.Lock()
+        self.drafts = Drafts(self.capture)
 
     @classmethod
     def of(cls, model: nn.Module, wanted: bool = True, compile: bool = False) -> "Graphs | None":

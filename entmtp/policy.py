@@ -22,8 +22,8 @@ def confidence(z: torch.Tensor) -> tuple[float, float]:
     """
     logp = torch.log_softmax(z.float(), -1)
     p = logp.exp()
-    entropy = float(-(p * logp).sum())
-    return float(p.max()), (0.0 if math.isnan(entropy) else entropy)
+    p0, entropy = torch.stack([p.max(), -(p * logp).sum()]).tolist()  # one read from the device
+    return p0, (0.0 if math.isnan(entropy) else entropy)
 
 
 def path_value(p0: float, chain_probs: list[float]) -> float:

@@ -283,6 +283,8 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
         if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
             # the first forward of each new shape builds kernels: keep that off both clocks
             rt.engine.warmup([t.n_nodes for t in (*bank.trees, *base_s.bank.trees)])
+            rt.engine.warmup_drafts(ent_s.heads, bank.trees)
+            rt.engine.warmup_drafts(base_s.heads, base_s.bank.trees)
     ids = rt.encode(req.prompt)
     if len(ids) > MAX_PROMPT_TOKENS or len(ids) + req.max_new_tokens > rt.engine.max_positions:
         raise RaceError(f"The prompt has {len(ids)} tokens; the demo takes up to {MAX_PROMPT_TOKENS} and prompt + "

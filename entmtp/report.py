@@ -309,14 +309,19 @@ def gpu_section(checks: list[dict]) -> str:
         f"bank tree and policy) against transformers `generate`: {last['lossless']['n_failures']} differ, "
         f"{last['lossless']['n_ties']} float ties.",
         "",
-        "| tree | nodes | CUDA graphs ms | compiled graphs ms | eager ms | eager / graphs |",
-        "|---|---|---|---|---|---|",
     ]
+    drafts = last.get("step_ms_eager_drafts") or {}  # checks from before the drafts were captured have none
+    if drafts:
+        lines += ["| tree | nodes | CUDA graphs ms | drafts eager ms | compiled graphs ms | eager ms | eager / graphs |",
+                  "|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| tree | nodes | CUDA graphs ms | compiled graphs ms | eager ms | eager / graphs |", "|---|---|---|---|---|---|"]
     cstep = comp.get("step_ms", {})
     for name, ms in last["step_ms"].items():
         eager = last.get("step_ms_eager", {}).get(name)
         c = cstep.get(name)
-        lines.append(f"| {name} | {last['nodes'][name]} | {ms:.2f} | {'' if c is None else f'{c:.2f}'} | "
+        d = f" {drafts[name]:.2f} |" if name in drafts else (" |" if drafts else "")
+        lines.append(f"| {name} | {last['nodes'][name]} | {ms:.2f} |{d} {'' if c is None else f'{c:.2f}'} | "
                      f"{'' if eager is None else f'{eager:.2f}'} | {'' if not eager else f'{eager / ms:.1f}×'} |")
     warm = last.get("warmup_ms", {})
     if graphed and warm.get("served"):

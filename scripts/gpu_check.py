@@ -12,7 +12,8 @@ is built with random weights. Needs only torch, transformers and safetensors (no
    logit gap is within float noise is reported as a tie, not a failure.
 2. Costs: the median wall time of one decode step per tree (the banks' candidate trees,
    mc_sim_7b_63 and AR), warm, synchronised around each step, at ~300 tokens of context;
-   prefill per token from the first step's extra time.
+   prefill per token from the first step's extra time. With CUDA graphs three ways: as served
+   (verification and the heads' drafts captured), with the drafts eager, and all eager.
 3. Prediction: with those costs, the fit `calibrate` would make here (`calibrate.fit_task`: front,
    static / ladder / τ policies, and tokens/s of ar, hydra and each EntMTP policy by exact
    simulation of the banks' per-position acceptance traces).
@@ -350,18 +351,27 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
     log(f"step costs at {sizes.context} tokens of context" + (" (CUDA graphs, then eager)" if graphed else ""))
     node_sizes = sorted({t.n_nodes for t in trees})
     rt.engine.warmup(node_sizes, context=sizes.context)
+    rt.engine.warmup_drafts(rt.heads("hydra"), trees)
     eager = Engine(model, cuda_graphs=False) if graphed else None
     if eager is not None:
         eager.warmup(node_sizes, context=sizes.context)
+    # captured verification with the heads drafting eagerly: what capturing the drafts saves
+    eager_drafts = Engine(model, cuda_graphs=True) if graphed else None
+    if eager_drafts is not None:
+        eager_drafts.graphs.drafts.capture = False
+        eager_drafts.warmup(node_sizes, context=sizes.context)
     g = torch.Generator().manual_seed(11)
     context = torch.randint(1, model.config.vocab_size, (sizes.context,), generator=g).tolist()
-    costs, costs_eager, phases, prefills = {}, {}, {}, []
+    costs, costs_eager, costs_eager_drafts, phases, prefills = {}, {}, {}, {}, []
     for s in tree_strategies(trees, rt.heads("hydra"), "hydra"):
         name = s.bank[0].name
         step, first, phases[name] = step_ms(rt.engine, s, context, sizes)
         costs[name] = round(step, 3)
         prefills.append((first - step) / sizes.context)
         line = f"  {name:>14} {s.bank[0].n_nodes:3d} nodes {costs[name]:9.3f} ms"
+        if eager_drafts is not None and s.bank[0].n_nodes > 1:
+            costs_eager_drafts[name] = round(step_ms(eager_drafts, s, context, sizes)[0], 3)
+            line += f"   eager drafts {costs_eager_drafts[name]:9.3f} ms"
         if eager is not None:
             costs_eager[name] = round(step_ms(eager, s, context, sizes)[0], 3)
             line += f"   eager {costs_eager[name]:9.3f} ms"
@@ -392,10 +402,12 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         "profile_ar_steps": profile,
         "step_ms": costs,
         "step_ms_eager": costs_eager,
+        "step_ms_eager_drafts": costs_eager_drafts,
         "phase_ms": phases,
         "warmup_ms": {"served": {str(k): v for k, v in sorted(rt.engine.warmup_ms.items())},
                       "eager": {str(k): v for k, v in sorted(eager.warmup_ms.items())} if eager is not None else {},
-                      "capture_per_slot": {str(k): v for k, v in sorted(rt.engine.graphs.capture_ms().items())} if graphed else {}},
+                      "capture_per_slot": {str(k): v for k, v in sorted(rt.engine.graphs.capture_ms().items())} if graphed else {},
+                      "draft_capture": dict(rt.engine.graphs.drafts.capture_ms) if graphed else {}},
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
         "nodes": {t.name: t.n_nodes for t in trees},
         "predicted": predicted,

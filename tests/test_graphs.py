@@ -9,7 +9,7 @@ from entmtp import graphs, verify
 from entmtp.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import StaticPolicy, TauPolicy
+from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.topology import chain, compile_tree, load_named_trees
 from conftest import random_heads, reference, tiny_llama
 
@@ -106,6 +106,46 @@ def test_a_failed_capture_leaves_the_slot_decoding_eagerly():
         out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=20)))
     assert out.token_ids == reference(model, prompt, 20)
     assert not engine.graphs.slots[0].capture
+    assert not engine.graphs.drafts.capture  # the drafts' graphs fell back the same way
+
+
+@pytest.mark.parametrize("kind, kw", [("hydra", {}), ("hydra", {"arch": "prefix-mlp"}), ("medusa", {})])
+def test_drafts_on_the_device_draft_what_the_eager_engine_drafts(kind, kw):
+    """`graphs.Drafts` (the chain and the expansion as one function per tree, what a CUDA graph
+    holds; run eagerly here) proposes the eager engine's tokens at every step, reads the same
+    feature, and decodes exactly `generate`."""
+    model = tiny_llama(seed=4, vocab=16)
+    heads = random_heads(model, kind, **kw).requires_grad_(False)
+    device_engine, plain = static_engine(model), Engine(model)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    ref = reference(model, prompt, 40)
+    trees = [TREES[0], TREES[1], TREES[3], NAMED["mc_sim_7b_63"]]
+
+    def seen(depth):  # the feature's values along a decode, for thresholds that make policies switch
+        never = TauPolicy(0, 0, 2.0, 2.0, "path_value", depth)
+        out = collect(plain.generate(prompt, Strategy("t", TopologyBank.of(*trees), never, heads), GenerationConfig(max_new_tokens=40)))
+        return sorted(r.feature for r in out.steps)
+
+    def cut(values, q):  # halfway between two seen values: float noise cannot flip a decision
+        i = int(len(values) * q)
+        return (values[i] + values[i + 1]) / 2
+
+    g1, g4 = seen(1), seen(0)
+    policies = [StaticPolicy(i) for i in range(len(trees))] + [
+        TauPolicy(1, 3, cut(g1, 0.5), cut(g1, 0.25), "path_value", 1),
+        LadderPolicy((0, 2, 3), (cut(g4, 0.33), cut(g4, 0.66)), "path_value", 0)]
+    for policy in policies:
+        s = Strategy("t", TopologyBank.of(*trees), policy, heads)
+        a = collect(device_engine.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
+        b = collect(plain.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
+        assert a.token_ids == b.token_ids == ref, policy
+        assert [r.draft_tokens for r in a.steps] == [r.draft_tokens for r in b.steps], policy
+        assert [r.tree for r in a.steps] == [r.tree for r in b.steps]
+        # the slot's attention differs from transformers' in the last bits (see test above)
+        assert [r.path_value for r in a.steps] == pytest.approx([r.path_value for r in b.steps], rel=1e-4, abs=1e-7)
+        assert [r.feature for r in a.steps] == pytest.approx([r.feature for r in b.steps], rel=1e-4, abs=1e-7)
+        if not isinstance(policy, StaticPolicy):
+            assert len({r.tree for r in a.steps}) > 1, f"{policy.name} must switch trees"
 
 
 def test_biased_projections_decode_as_generate():

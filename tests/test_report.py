@@ -203,6 +203,13 @@ def test_gpu_checks_render_as_their_own_section(tmp_path):
     for task in last["predicted"]:
         assert f"| {task} |" in text
     assert all(c["source"] in text for c in checks[:-1])
+    # a check that also timed the heads drafting eagerly gets that column, a one-token step a blank
+    with_drafts = dict(last, step_ms_eager_drafts={n: ms + 1.5 for n, ms in last["step_ms"].items() if n != "ar"})
+    rows = gpu_section(checks[:-1] + [with_drafts]).splitlines()
+    assert any("drafts eager ms" in r for r in rows)
+    tree = next(n for n in last["step_ms"] if n != "ar")
+    assert any(r.startswith(f"| {tree} |") and f"| {last['step_ms'][tree] + 1.5:.2f} |" in r for r in rows)
+    assert any(r.startswith("| ar | 1 |") and r.count("|") == 8 for r in rows)
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"check": "something else"}))
     with pytest.raises(ReportError, match="not a GPU check result"):

@@ -149,17 +149,24 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
 
     Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
-    prompt. Within a round the trees take turns step by step (`RoundRobin`), so a burst of load
-    on the machine hits every tree alike (timed a round per tree, two runs on this project's
-    2-core AMD EPYC put the 9-node tree at 140 and 113.5 ms). One short untimed round first. EOS
-    is ignored so every round takes its steps; the token values do not change the cost.
+    prompt. Within a round the trees take turns in blocks (`RoundRobin`): one untimed step, then
+    `cfg.block` timed ones, so a burst of load on the machine hits every tree alike (timed a round
+    per tree, two runs on this project's 2-core AMD EPYC put the 9-node tree at 140 and 113.5 ms)
+    while each timed step follows a step of its own tree, as under a static policy or a τ
+    switching between neighbours. (Turns of single steps timed a step right after, say, a 64-node
+    one: on the AMD EPYC that made one token 9.3–11.6 ms instead of 8.8 and the 4-node tree 1.8×
+    it instead of 2.1×, and a τ switching to 4 nodes measured 5–11% under its static tree.) One
+    short untimed round first. EOS is ignored so every round takes its steps; the token values do
+    not change the cost.
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
     vocab = engine.model.get_output_embeddings().weight.shape[0]
     unique = list({tree_key(t): t for t in trees}.values())
     bank = TopologyBank.of(*unique)
-    strategy = Strategy("timing", bank, RoundRobin(len(unique)), heads if bank.max_depth else None)
-    room = cfg.steps * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
+    run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
+    blocks = max(1, -(-cfg.steps // cfg.block))
+    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None)
+    room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
     context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab // 8, vocab, (context,), generator=g).tolist()
@@ -167,7 +174,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     prefill: list[float] = []
     rounds = range(cfg.rounds + 1)
     for r in (progress(rounds, "timing trees", len(rounds)) if progress else rounds):
-        n = (cfg.steps if r else cfg.warm_steps) * len(unique)
+        n = (blocks * run if r else cfg.warm_steps) * len(unique)
         records = []
         steps = timer.generate(ids, strategy, GenerationConfig(max_new_tokens=room))
         for rec in steps:
@@ -176,8 +183,9 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
                 break
         steps.close()
         if r:  # round 0 warms caches and allocators
-            for rec in records:
-                step_ms[tree_key(unique[rec.tree_index])].append(rec.step_ms)
+            for i, rec in enumerate(records):
+                if i % run:  # the first step of a block follows another tree
+                    step_ms[tree_key(unique[rec.tree_index])].append(rec.step_ms)
             prefill.append(records[0].prefill_ms)
     missing = [k for k, v in step_ms.items() if not v]
     if missing:
@@ -188,16 +196,18 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
 
 @dataclass(frozen=True)
 class RoundRobin:
-    """A timing device, not a user policy: trees 0, 1, ..., count-1, 0, ... whatever the feature."""
+    """A timing device, not a user policy: trees 0, 1, ..., count-1, 0, ... whatever the feature,
+    each for `run` steps in a row."""
 
     count: int
+    run: int = 1
     feature: str = "p0"
     depth: int = 0
     name = "round-robin"
 
     def chooser(self):
         turn = itertools.count()
-        return lambda s: next(turn) % self.count
+        return lambda s: next(turn) // self.run % self.count
 
 
 @torch.inference_mode()

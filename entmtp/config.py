@@ -97,8 +97,9 @@ class CalibrateConfig:
     """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
 
     context: int = 192  # tokens of context a step is timed at (a prompt plus part of its answer)
-    rounds: int = 3  # timed rounds; within one the trees take turns step by step, so drift hits all alike
+    rounds: int = 3  # timed rounds; within one the trees take turns in short blocks, so drift hits all alike
     steps: int = 8  # decode steps timed per tree per round (three repeats on the AMD EPYC agreed within ~4%)
+    block: int = 4  # timed steps of a tree in a row; one untimed step goes first (after another tree)
     warm_steps: int = 2  # steps of the untimed first round (builds kernels, touches the weights)
     grid: int = 12  # feature quantiles tried as thresholds
 

@@ -250,3 +250,12 @@ def test_tau_must_beat_the_static_tree_by_a_margin():
         pol, tps = _fit_tau([0, 1], [0.3, 0.6], "p0", StaticPolicy(1), 100.0, run)
         assert (pol.small != pol.large) == switches
         assert tps == pytest.approx(100.0 * (1 + gain) if switches else 100.0)
+
+
+def test_timing_turns_come_in_blocks():
+    """`calibrate` times trees in blocks: each tree keeps the turn for `run` steps, so all but the
+    first step of a block follow a step of the same tree."""
+    choose = cal.RoundRobin(3, 2).chooser()
+    assert [choose(0.5) for _ in range(8)] == [0, 0, 1, 1, 2, 2, 0, 0]
+    choose = cal.RoundRobin(2).chooser()
+    assert [choose(0.5) for _ in range(4)] == [0, 1, 0, 1]

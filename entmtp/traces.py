@@ -27,7 +27,7 @@ import torch
 from . import kv, verify
 from .config import Progress
 from .heads import DraftHeads
-from .policy import FEATURES
+from .policy import FEATURES, path_value
 from .topology import Tree
 
 WIDTH = 16  # ranks kept per head; no tree of ours has a node of rank >= 16
@@ -53,7 +53,7 @@ class Trace:
         if name == "neg_entropy":
             return [math.exp(-h) for h in self.entropy]
         if name == "path_value":
-            return [p * math.prod(c[:depth]) for p, c in zip(self.p0, self.chain)]
+            return [path_value(p, c[:depth]) for p, c in zip(self.p0, self.chain)]  # the engine's arithmetic, factor by factor
         raise ValueError(f"unknown feature {name!r} (expected one of {', '.join(FEATURES)})")
 
     def rank_path(self, i: int) -> tuple[int, ...]:

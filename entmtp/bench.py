@@ -51,17 +51,11 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     encoded = [(it["task"], rt.encode(it["prompt"])) for it in items]
 
-    sizes = {1}
-    for task in {t for t, _ in encoded}:
-        for m in methods:
-            if m not in ("hf", "hf-lookup"):
-                sizes |= {tree.n_nodes for tree in rt.strategy(m, task).bank.trees}
-    rt.engine.warmup(sorted(sizes))  # every forward shape once, outside the clock (`warmup` reports the times)
-    for task in {t for t, _ in encoded}:  # with CUDA graphs: the drafts' graphs too
-        for m in methods:
-            if m not in ("hf", "hf-lookup"):
-                strategy = rt.strategy(m, task)
-                rt.engine.warmup_drafts(strategy.heads, strategy.bank.trees)
+    strategies = [rt.strategy(m, task) for task in {t for t, _ in encoded} for m in methods if m not in ("hf", "hf-lookup")]
+    # every forward shape once, outside the clock (`warmup` reports the times); with CUDA graphs the drafts' graphs too
+    rt.engine.warmup(sorted({1} | {tree.n_nodes for s in strategies for tree in s.bank.trees}))
+    for s in strategies:
+        rt.engine.warmup_drafts(s.heads, s.bank.trees)
     warm = GenerationConfig(max_new_tokens=cfg.warmup_new_tokens)
     for task in sorted({t for t, _ in encoded}):
         ids = next(i for t, i in encoded if t == task)

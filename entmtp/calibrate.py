@@ -491,6 +491,11 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
 # -- a fit as the CLI reports it ------------------------------------------------------------------
 
 
+def through_heads(fit: dict) -> str:
+    """" through N head(s)" when the fit's feature is the path value through N heads, else ""."""
+    return f" through {fit['feature_depth']} head(s)" if fit.get("feature") == "path_value" and fit.get("feature_depth") else ""
+
+
 def fit_table(fit: dict) -> str:
     """The fit of one task as text: per tree, then the policies and their predicted throughput."""
     lines = [f"fitted on {fit['hardware']} ({fit['date']})",
@@ -502,8 +507,7 @@ def fit_table(fit: dict) -> str:
         b = fit["baseline"]
         lines.append(f"{b['name']:<10} {b['mean_accepted']:>8.3f} {b['step_ms']:>8.1f} {b['tokens_per_s']:>10.2f}  (hydra's tree, not in the bank)")
     pol = fit["policies"]
-    through = f" through {fit['feature_depth']} head(s)" if fit["feature"] == "path_value" and fit.get("feature_depth") else ""
-    lines.append(f"feature: {fit['feature']}{through}  (rank correlation with accepted length: "
+    lines.append(f"feature: {fit['feature']}{through_heads(fit)}  (rank correlation with accepted length: "
                  + ", ".join(f"{k} {v['spearman']:+.2f}" for k, v in fit["features"].items()) + ")")
     lines.append(f"static: {pol['static']['tree']}; ladder: {' < '.join(pol['ladder']['trees'])} at {pol['ladder']['thresholds']}; "
                  f"tau: {pol['tau']['small']} <-> {pol['tau']['large']} on {pol['tau']['tau_on']:.3f} / off {pol['tau']['tau_off']:.3f}")

@@ -64,14 +64,14 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     else:
         tokens[0] = root
     for d, plan in enumerate(tree.plans):
-        parents, children, slot = _plan_on(tree, d, device)
+        parents, children, slot = tree.plan_on(d, device)
         if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
             row = chain[d][None] if d < len(chain) else heads.head_logits(d, feature[None], tokens[:1, None])
             table = heads.to_token_ids(torch.topk(row, plan.k, dim=-1).indices).expand(len(parents), -1)
         else:
             reuse = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
             rows = [chain[d][None]] if reuse else []
-            paths = _ancestor_paths(tree, d, device)[len(rows) :]  # (P', d+1)
+            paths = tree.ancestor_paths_on(d, device)[len(rows) :]  # (P', d+1)
             if len(paths):
                 rows.append(heads.head_logits(d, feature[None].expand(len(paths), -1), tokens[paths]))
             logits = torch.cat(rows, dim=0)  # (P, K)
@@ -80,32 +80,6 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     return tokens
 
 
-def _plan_on(tree: Tree, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Depth d's plan (parents, children, slot) on `device`, cached on the tree: a copy per step
-    costs a transfer on a GPU, and a CUDA graph may not make one."""
-    cache = tree.__dict__.setdefault("_plan_cache", {})
-    key = (d, str(device))
-    if key not in cache:
-        plan = tree.plans[d]
-        cache[key] = (plan.parents.to(device), plan.children.to(device), plan.slot.to(device))
-    return cache[key]
-
-
 def _is_chain_node(tree: Tree, node: int) -> bool:
     """Whether `node` is the root or a rank-0 child of rank-0 children all the way: (0, ..., 0)."""
     return node == 0 or not any(tree.paths[node - 1])
-
-
-def _ancestor_paths(tree: Tree, d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(P, d+1) node ids root..parent for each parent expanded at depth d (cached on the tree, per device)."""
-    cache = tree.__dict__.setdefault("_anc_paths", {})
-    if (d, str(device)) not in cache:
-        rows = []
-        for node in tree.plans[d].parents.tolist():
-            path = []
-            while node >= 0:
-                path.append(node)
-                node = tree.parent[node]
-            rows.append(path[::-1])
-        cache[(d, str(device))] = torch.tensor(rows, dtype=torch.long, device=device)
-    return cache[(d, str(device))]

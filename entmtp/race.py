@@ -15,6 +15,7 @@ import torch
 
 from . import plots
 from .bank import TopologyBank
+from .calibrate import through_heads
 from .config import TASKS, GenerationConfig, ModelConfig
 from .engine import StepRecord, Strategy
 from .loading import LoadError, Runtime, bank_path, load_runtime
@@ -187,7 +188,7 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
     degenerate = "; ".join(f"{k} {v}" for k, v in fit.get("degenerate", {}).items())
     return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
             f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
-            + (f" through {fit['feature_depth']} head(s)." if fit.get("feature") == "path_value" and fit.get("feature_depth") else ".")
+            + through_heads(fit) + "."
             + (f" Note: {degenerate}." if degenerate else ""))
 
 

@@ -120,6 +120,31 @@ class Tree:
             cache[str(device)] = self.depth_tensor.to(device)
         return cache[str(device)]
 
+    def plan_on(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Depth d's plan (parents, children, slot) on `device`, cached per device: a copy per step
+        costs a transfer on a GPU, and a CUDA graph may not make one."""
+        cache = self.__dict__.setdefault("_plan_cache", {})
+        key = (d, str(device))
+        if key not in cache:
+            plan = self.plans[d]
+            cache[key] = (plan.parents.to(device), plan.children.to(device), plan.slot.to(device))
+        return cache[key]
+
+    def ancestor_paths_on(self, d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(P, d+1) node ids root..parent for each parent expanded at depth d, cached per device."""
+        cache = self.__dict__.setdefault("_anc_paths", {})
+        key = (d, str(device))
+        if key not in cache:
+            rows = []
+            for node in self.plans[d].parents.tolist():
+                path = []
+                while node >= 0:
+                    path.append(node)
+                    node = self.parent[node]
+                rows.append(path[::-1])
+            cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return cache[key]
+
     def mask_block(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(N, N) additive mask: 0 where attending, dtype-min where blocked. Cached per dtype/device."""
         key = (dtype, str(device))

@@ -80,28 +80,25 @@ class Tree:
         n = self.n_nodes
         m = torch.zeros(n, n, dtype=torch.bool)
         for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parent[j]
+            m[i, self.root_path(i)] = True
         return m
 
     @cached_property
     def depth_tensor(self) -> torch.Tensor:
         return torch.tensor(self.depth, dtype=torch.long)
 
+    def root_path(self, node: int) -> list[int]:
+        """Node ids from the root down to `node`, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parent[node]
+        return path[::-1]
+
     @cached_property
     def leaf_paths(self) -> list[list[int]]:
         """Root-to-leaf node-id paths, one per leaf."""
-        out = []
-        for i in range(self.n_nodes):
-            if not self.children[i]:
-                path, j = [], i
-                while j >= 0:
-                    path.append(j)
-                    j = self.parent[j]
-                out.append(path[::-1])
-        return out
+        return [self.root_path(i) for i in range(self.n_nodes) if not self.children[i]]
 
     def node_of(self, rank_path: Sequence[int]) -> int:
         """Node id of a rank path (the empty path is the root)."""
@@ -135,13 +132,7 @@ class Tree:
         cache = self.__dict__.setdefault("_anc_paths", {})
         key = (d, str(device))
         if key not in cache:
-            rows = []
-            for node in self.plans[d].parents.tolist():
-                path = []
-                while node >= 0:
-                    path.append(node)
-                    node = self.parent[node]
-                rows.append(path[::-1])
+            rows = [self.root_path(node) for node in self.plans[d].parents.tolist()]
             cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
         return cache[key]
 

@@ -15,6 +15,7 @@ import torch
 from conftest import ALL_THREADS
 from entmtp import kernels, traces as tr
 from entmtp.bank import TopologyBank
+from entmtp.calibrate import _quantiles
 from entmtp.config import TREES_FILE, GenerationConfig, ModelConfig
 from entmtp.data import prompts
 from entmtp.engine import Strategy, collect
@@ -43,11 +44,10 @@ def rollout_vs_simulation(kernels: str, task: str, n_prompts: int):
             rows.append((tree.name, sum(len(r.steps) for r in real), sim.steps, sum(r.new_tokens for r in real), sim.tokens))
         # a switching policy on the heads' path value: the engine's picks equal the simulation's
         bank = TopologyBank(trees[1:4], [{}] * 3, {})
-        values = sorted(set(v for t in traces for v in t.feature("path_value", bank.max_depth)))
-        # thresholds halfway between two recorded values, as `calibrate` places them: the traces keep
-        # 6-7 significant digits, so a threshold on a recorded value could split a tie either way
-        cut = lambda q: (values[int(len(values) * q)] + values[int(len(values) * q) + 1]) / 2  # noqa: E731
-        tau = TauPolicy(0, 2, cut(2 / 3), cut(1 / 3), "path_value")
+        # thresholds at the thirds, halfway between two recorded values as `calibrate` places them: the
+        # traces keep 6-7 significant digits, so a threshold on a recorded value could split a tie either way
+        low, high = _quantiles([v for t in traces for v in t.feature("path_value", bank.max_depth)], 3)
+        tau = TauPolicy(0, 2, high, low, "path_value")
         real = [collect(rt.engine.generate(p, Strategy("tau", bank, tau, heads), GenerationConfig(max_new_tokens=N_NEW))) for p in ids]
         sim = tr.simulate(tr.Tables(bank.trees, traces), tau.chooser, [t.feature("path_value", bank.max_depth) for t in traces], [1.0] * 3)
         picks = ([r.tree_index for res in real for r in res.steps], sim.picks)

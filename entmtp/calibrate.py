@@ -32,7 +32,7 @@ from .heads import DraftHeads
 from .policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from .topology import Tree, compile_tree
 from . import drafting, kernels
-from .traces import Tables, Trace, accepted_in, record_all, simulate, spearman
+from .traces import Tables, Trace, accepted_in, foresight, record_all, simulate, spearman
 
 RankPath = tuple[int, ...]
 
@@ -357,6 +357,9 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
         "chain_ms": [round(c, 3) for c in (chain_ms or [])],
     }
+    best = foresight(tables, costs, prefill_ms_per_token, among=range(len(trees)))  # what no policy can beat
+    fit["ceiling"] = {"tokens_per_s": round(best.tokens_per_s, 3), "mean_accepted": round(best.mean_accepted, 4),
+                      "over_ar": round(best.tokens_per_s / predicted["ar"], 3) if predicted["ar"] else None}
     if baseline:
         b = run(StaticPolicy(len(trees)))
         fit["baseline"] = {"name": baseline[0].name, "n_nodes": baseline[0].n_nodes, "step_ms": round(baseline[1], 3),
@@ -514,7 +517,17 @@ def fit_table(fit: dict) -> str:
     for name, why in fit.get("degenerate", {}).items():
         lines.append(f"note: {name} {why}")
     lines.append("predicted tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in fit["predicted_tokens_per_s"].items()))
+    if fit.get("ceiling"):
+        lines.append(f"ceiling: {ceiling_text(fit)}")
     return "\n".join(lines)
+
+
+def ceiling_text(fit: dict) -> str:
+    """The fit's ceiling in words: what a policy that knew every step's outcome would reach."""
+    c = fit["ceiling"]
+    over = f" ({c['over_ar']:.2f}× ar)" if c.get("over_ar") else ""
+    return (f"{c['tokens_per_s']:.1f} tok/s{over} for a policy over this bank that knew each step's accepted "
+            f"length beforehand ({c['mean_accepted']:.2f} tokens/step); no policy on these traces and costs beats it")
 
 
 def fit_summary(fit: dict) -> dict:
@@ -522,7 +535,8 @@ def fit_summary(fit: dict) -> dict:
     pol = fit["policies"]
     return {"trees": list(fit["trees"]), "front": fit["front"], "static": pol["static"]["tree"], "ladder": pol["ladder"],
             "tau": pol["tau"], "feature": fit["feature"], "degenerate": fit.get("degenerate", {}),
-            "features": fit["features"], "predicted_tokens_per_s": fit["predicted_tokens_per_s"]}
+            "features": fit["features"], "predicted_tokens_per_s": fit["predicted_tokens_per_s"],
+            "ceiling": fit.get("ceiling")}
 
 
 def bank_figure(bank: TopologyBank, slug: str, task: str) -> Path:

@@ -15,7 +15,7 @@ import torch
 
 from . import plots
 from .bank import TopologyBank
-from .calibrate import through_heads
+from .calibrate import ceiling_text, through_heads
 from .config import TASKS, GenerationConfig, ModelConfig
 from .engine import StepRecord, Strategy
 from .loading import LoadError, Runtime, bank_path, load_runtime
@@ -189,7 +189,8 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
     return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
             f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
             + through_heads(fit) + "."
-            + (f" Note: {degenerate}." if degenerate else ""))
+            + (f" Note: {degenerate}." if degenerate else "")
+            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else ""))
 
 
 def entmtp_policy(bank: TopologyBank, req: Request) -> tuple[Policy, str]:

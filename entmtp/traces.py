@@ -259,6 +259,31 @@ def simulate(tables: Tables, choose_factory: Callable[[], Callable[[float], int]
     return Outcome(tokens, steps, ms, picks)
 
 
+def foresight(tables: Tables, step_ms: Sequence[float], prefill_ms_per_token: float = 0.0,
+              among: Sequence[int] | None = None) -> Outcome:
+    """The fastest decode of every trace that any per-step choice among the tables' trees (or the
+    trees `among`) allows: a policy that knew each step's accepted length before choosing.
+    Backwards over positions, best[i] = min over trees k of step_ms[k] + best[i + accepted(k, i)];
+    a ceiling on every policy over those trees, not a policy."""
+    among = list(range(len(tables.trees))) if among is None else list(among)
+    tokens, ms = 0, 0.0
+    picks: list[int] = []
+    for j, trace in enumerate(tables.traces):
+        n = len(trace)
+        best, choice = [0.0] * (n + 1), [0] * n
+        for i in range(n - 1, -1, -1):
+            choice[i] = min(among,
+                            key=lambda k: step_ms[k] + best[min(n, i + tables.accepted[k][j][i])])
+            best[i] = step_ms[choice[i]] + best[min(n, i + tables.accepted[choice[i]][j][i])]
+        ms += prefill_ms_per_token * trace.prompt_tokens + best[0]
+        i = 0
+        while i < n:
+            picks.append(choice[i])
+            i = min(n, i + tables.accepted[choice[i]][j][i])
+        tokens += n
+    return Outcome(tokens, len(picks), ms, picks)
+
+
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Rank correlation (average ranks for ties)."""
 

@@ -259,3 +259,38 @@ def test_timing_turns_come_in_blocks():
     assert [choose(0.5) for _ in range(8)] == [0, 0, 1, 1, 2, 2, 0, 0]
     choose = cal.RoundRobin(2).chooser()
     assert [choose(0.5) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_the_ceiling_is_the_best_any_sequence_of_choices_reaches():
+    """`foresight` equals a brute force over every sequence of trees on short traces, and no fitted
+    policy or static tree beats the ceiling the fit reports."""
+    import itertools
+
+    rng = random.Random(3)
+    trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
+    costs = [10.0, 13.0, 21.0]
+    for _ in range(5):
+        n = 7
+        ranks = [[rng.choice([0, 0, 1, -1]) for _ in range(4)] for _ in range(n)]
+        trace = tr.Trace(5, ranks, [0.5] * n, [0.5] * n, [[0.5] * 4 for _ in range(n)])
+        tables = tr.Tables(trees, [trace])
+        best = float("inf")
+        for seq in itertools.product(range(3), repeat=n):  # every step may pick any tree
+            i, ms, k = 0, 0.0, 0
+            while i < n:
+                ms += costs[seq[k]]
+                i += tables.accepted[seq[k]][0][i]
+                k += 1
+            best = min(best, ms)
+        got = tr.foresight(tables, costs, 2.0)
+        assert got.ms == pytest.approx(best + 2.0 * 5) and got.tokens == n
+        assert sum(costs[k] for k in got.picks) == pytest.approx(best)  # the picks it reports realise it
+        only_small = tr.foresight(tables, costs, 2.0, among=[0])
+        assert only_small.ms == pytest.approx(10.0 * n + 10.0) and only_small.steps == n
+    fit = cal.fit_task(trees, synthetic(), costs, 1.0, grid=12)
+    ceiling = fit["ceiling"]["tokens_per_s"]
+    assert all(v <= ceiling + 1e-6 for k, v in fit["predicted_tokens_per_s"].items() if k != "hydra")
+    assert all(st["tokens_per_s"] <= ceiling + 1e-6 for st in fit["trees"].values())
+    assert fit["ceiling"]["over_ar"] == pytest.approx(ceiling / fit["predicted_tokens_per_s"]["ar"], rel=1e-3)
+    fit.update(hardware="h", date="d")  # what `calibrate` adds
+    assert "ceiling:" in cal.fit_table(fit) and cal.fit_summary(fit)["ceiling"] == fit["ceiling"]

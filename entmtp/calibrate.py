@@ -320,7 +320,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     for f, d in options:
         values = [v for row in feats[(f, d)] for v in row]
         grid_f = _quantiles(values, grid)
-        ladder, ladder_tps = _fit_ladder(front, grid_f, f, run, d)
+        ladder, ladder_tps = _fit_ladder(front, grid_f, f, run, d, static.tree)
         tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, run, d)
         row = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
         if f == "path_value":  # each depth under "depths"; the feature's own row is its best depth's
@@ -367,25 +367,35 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     return fit
 
 
-def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: int = 0) -> tuple[LadderPolicy, float]:
-    """Thresholds over the front trees (by size) by coordinate ascent on the feature's quantiles."""
+def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: int = 0,
+                static: int | None = None) -> tuple[LadderPolicy, float]:
+    """Thresholds over the front trees (by size) by coordinate ascent on the feature's quantiles,
+    from two starts: thresholds spread evenly over the quantiles, and the static tree's ladder
+    (every step on `static`, which the ascent can only improve on). The better result is kept."""
     k = len(front)
-    thr = [grid[min(len(grid) - 1, round((i + 1) * len(grid) / k) - 1)] for i in range(k - 1)] if k > 1 else []
     make = lambda t: LadderPolicy(tuple(front), tuple(t), feature, depth)  # noqa: E731
-    best = run(make(thr)).tokens_per_s
-    for _ in range(3):
-        changed = False
-        for i in range(len(thr)):
-            lo = thr[i - 1] if i else -1.0
-            hi = thr[i + 1] if i + 1 < len(thr) else 2.0
-            for g in [x for x in grid + [-0.5, 1.5] if lo <= x <= hi and x != thr[i]]:
-                trial = thr[:i] + [g] + thr[i + 1 :]
-                score = run(make(trial)).tokens_per_s
-                if score > best + 1e-9:
-                    best, thr, changed = score, trial, True
-        if not changed:
-            break
-    return make(thr), best
+    starts = [[grid[min(len(grid) - 1, round((i + 1) * len(grid) / k) - 1)] for i in range(k - 1)] if k > 1 else []]
+    if static in front and k > 1:
+        at = front.index(static)
+        starts.append([-0.5] * at + [1.5] * (k - 1 - at))
+    best_thr, best = starts[0], float("-inf")
+    for thr in starts:
+        score = run(make(thr)).tokens_per_s
+        for _ in range(3):
+            changed = False
+            for i in range(len(thr)):
+                lo = thr[i - 1] if i else -1.0
+                hi = thr[i + 1] if i + 1 < len(thr) else 2.0
+                for g in [x for x in grid + [-0.5, 1.5] if lo <= x <= hi and x != thr[i]]:
+                    trial = thr[:i] + [g] + thr[i + 1 :]
+                    trial_score = run(make(trial)).tokens_per_s
+                    if trial_score > score + 1e-9:
+                        score, thr, changed = trial_score, trial, True
+            if not changed:
+                break
+        if score > best + 1e-9:
+            best, best_thr = score, thr
+    return make(best_thr), best
 
 
 TAU_MIN_GAIN = 0.01  # a switching τ must beat the static tree by this share of its predicted tok/s

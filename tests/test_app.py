@@ -231,6 +231,7 @@ def test_bank_view_says_where_its_numbers_come_from(served):
         bank = rt.bank(task)
         assert bank.fit["hardware"] in note
         assert ("this machine" in note) == rt.fitted_here(task)
+        assert ("Ceiling:" in note) == bool(bank.fit.get("ceiling"))  # what no policy over this bank can beat
         assert 0 <= off <= on <= 1  # never out of the sliders' range, even for a degenerate τ fit
         assert len(rows) == len(bank.trees) and sum(r[6] == "yes" for r in rows) == len(bank.front)
         names = [t.name for t in fig.data]

@@ -291,6 +291,8 @@ def test_the_ceiling_is_the_best_any_sequence_of_choices_reaches():
     ceiling = fit["ceiling"]["tokens_per_s"]
     assert all(v <= ceiling + 1e-6 for k, v in fit["predicted_tokens_per_s"].items() if k != "hydra")
     assert all(st["tokens_per_s"] <= ceiling + 1e-6 for st in fit["trees"].values())
+    # with no feature to pay for, the ladder starts from the static tree's and can only improve on it
+    assert fit["predicted_tokens_per_s"]["entmtp-ladder"] >= fit["predicted_tokens_per_s"]["entmtp-static"] - 1e-6
     assert fit["ceiling"]["over_ar"] == pytest.approx(ceiling / fit["predicted_tokens_per_s"]["ar"], rel=1e-3)
     fit.update(hardware="h", date="d")  # what `calibrate` adds
     assert "ceiling:" in cal.fit_table(fit) and cal.fit_summary(fit)["ceiling"] == fit["ceiling"]

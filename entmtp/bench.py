@@ -183,6 +183,8 @@ def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, 
         "model": rt.name,
         "weights": getattr(rt, "weights", ""),
         "fit": {task: bank.fit.get("hardware") for task, bank in rt._banks.items()},
+        # per task, the best any policy over the bank could do at the fit's costs (calibrate.fit_task)
+        "ceiling": {task: bank.fit["ceiling"] for task, bank in rt._banks.items() if bank.fit.get("ceiling")},
         "seconds": round(seconds, 1),
         "dtype": str(rt.model.dtype).replace("torch.", ""),
         "kernels": kernels.label(rt.model),

@@ -151,6 +151,12 @@ def _header(run: dict, n: int) -> list[str]:
         + ", ".join(f"{t} {(rows.get((t, 'ar')) or first[t])['tokens']}" for t in tasks) + ".",
         f"- Bank fits behind `predicted tok/s` measured on: {fit_text}.",
     ]
+    ceiling = run.get("ceiling") or {}
+    if ceiling:
+        lines.append("- Ceiling of each fit (a policy over the bank that knew every step's accepted length "
+                     "beforehand; no policy beats it at these costs): "
+                     + ", ".join(f"{t} {c['tokens_per_s']:.1f} tok/s" + (f" ({c['over_ar']:.2f}× predicted `ar`)" if c.get("over_ar") else "")
+                                 for t, c in ceiling.items()) + ".")
     if run.get("warmup"):
         from .bench import warmup_line
 

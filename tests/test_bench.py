@@ -71,6 +71,7 @@ def test_bench_cli_ends_with_one_json_line(tiny_dir, tmp_path, capsys):
     assert summary["hardware"] and summary["fit"]["chat"] != "cpu elsewhere" and "cpu" in summary["fit"]["chat"]
     pred = {r["method"]: r["predicted_tokens_per_s"] for r in summary["results"]}
     assert pred["entmtp-tau"] > 0 and pred["hydra"] > 0 and pred["hf"] is None
+    assert summary["ceiling"]["chat"]["tokens_per_s"] >= pred["entmtp-tau"] - 1e-6  # the fit's ceiling, recorded
     assert (tmp_path / "out" / "results.json").exists() and (tmp_path / "out" / "speedup.html").exists()
 
 

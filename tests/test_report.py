@@ -214,3 +214,14 @@ def test_gpu_checks_render_as_their_own_section(tmp_path):
     bad.write_text(json.dumps({"check": "something else"}))
     with pytest.raises(ReportError, match="not a GPU check result"):
         read_gpu(bad)
+
+
+def test_a_run_with_ceilings_names_them(epyc):
+    """Newer runs record each fit's ceiling; the page shows it, and older runs render without it."""
+    plain = render([epyc])
+    assert "Ceiling of each fit" not in plain
+    epyc["ceiling"] = {"code": {"tokens_per_s": 118.787, "mean_accepted": 2.05, "over_ar": 1.3},
+                       "chat": {"tokens_per_s": 138.0, "mean_accepted": 1.78, "over_ar": None}}
+    text = render([epyc])
+    line = next(ln for ln in text.splitlines() if ln.startswith("- Ceiling of each fit"))
+    assert "code 118.8 tok/s (1.30× predicted `ar`), chat 138.0 tok/s." in line

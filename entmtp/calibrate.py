@@ -378,8 +378,8 @@ def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: i
     if static in front and k > 1:
         at = front.index(static)
         starts.append([-0.5] * at + [1.5] * (k - 1 - at))
-    best_thr, best = starts[0], float("-inf")
-    for thr in starts:
+
+    def ascend(thr: list[float]) -> tuple[list[float], float]:
         score = run(make(thr)).tokens_per_s
         for _ in range(3):
             changed = False
@@ -393,9 +393,10 @@ def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: i
                         score, thr, changed = trial_score, trial, True
             if not changed:
                 break
-        if score > best + 1e-9:
-            best, best_thr = score, thr
-    return make(best_thr), best
+        return thr, score
+
+    thr, best = max((ascend(t) for t in starts), key=lambda r: r[1])  # the first start on a tie
+    return make(thr), best
 
 
 TAU_MIN_GAIN = 0.01  # a switching τ must beat the static tree by this share of its predicted tok/s

@@ -270,16 +270,15 @@ def foresight(tables: Tables, step_ms: Sequence[float], prefill_ms_per_token: fl
     picks: list[int] = []
     for j, trace in enumerate(tables.traces):
         n = len(trace)
+        after = lambda k, i: min(n, i + tables.accepted[k][j][i])  # noqa: E731  (position after tree k's step at i)
         best, choice = [0.0] * (n + 1), [0] * n
-        for i in range(n - 1, -1, -1):
-            choice[i] = min(among,
-                            key=lambda k: step_ms[k] + best[min(n, i + tables.accepted[k][j][i])])
-            best[i] = step_ms[choice[i]] + best[min(n, i + tables.accepted[choice[i]][j][i])]
+        for i in range(n - 1, -1, -1):  # the first of `among` on a tie
+            best[i], choice[i] = min(((step_ms[k] + best[after(k, i)], k) for k in among), key=lambda c: c[0])
         ms += prefill_ms_per_token * trace.prompt_tokens + best[0]
         i = 0
         while i < n:
             picks.append(choice[i])
-            i = min(n, i + tables.accepted[choice[i]][j][i])
+            i = after(choice[i], i)
         tokens += n
     return Outcome(tokens, len(picks), ms, picks)
 

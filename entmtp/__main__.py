@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--sharegpt-code", type=non_negative_int, default=t.sharegpt_code_prompts, metavar="N",
                     help="Python questions from chat's training split answered by the base model, as code (default: %(default)s)")
     tr.add_argument("--init", default="", metavar="DIR",
-                    help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept)")
+                    help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept unless "
+                         "--new-vocab; Hydra mlp heads may grow deeper with --num-layers: new blocks start as the identity)")
+    tr.add_argument("--new-vocab", action="store_true",
+                    help="with --init: choose the --draft-vocab most frequent answer tokens of this corpus afresh")
     tr.add_argument("--corpus-only", action="store_true", help="build the corpus (and store new answers), train nothing")
     tr.add_argument("--answers", default=None, metavar="FILE",
                     help="stored greedy answers, read and extended (default: data/answers/<model>.jsonl.gz for the "
@@ -282,10 +285,13 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if not args.self_prompts and not args.ref_prompts:
         raise UsageError("--self-prompts and --ref-prompts are both empty: no corpus")
+    if args.new_vocab and not args.init:
+        raise UsageError("--new-vocab re-chooses the vocabulary of --init heads: fresh heads always get a new one")
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
         seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
+        new_vocab=args.new_vocab,
     )
     kinds = _kinds(args.kind)
     if args.arch != "mlp" and kinds != ["hydra"]:

@@ -157,3 +157,4 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     init: str = ""  # a heads folder (holding <kind>/) to train further instead of fresh heads; its draft vocabulary is kept
+    new_vocab: bool = False  # with init: choose the draft vocabulary afresh from this corpus (shared LM head rows: no weights change)

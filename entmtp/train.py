@@ -35,7 +35,7 @@ from tqdm import tqdm
 from . import data, kv
 from .answers import AnswerStore
 from .config import TrainConfig
-from .heads import DraftHeads, HydraHeads, MedusaHeads, save_heads
+from .heads import DraftHeads, HydraHeads, MedusaHeads, ResBlock, save_heads
 
 Encode = Callable[[str], list[int]]
 
@@ -355,12 +355,26 @@ def initial_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
         raise TrainError(f"--init: {e}") from None
     if heads.kind != kind or getattr(heads, "arch", "mlp") != cfg.arch:
         raise TrainError(f"--init: {folder} holds {heads.kind} {getattr(heads, 'arch', 'mlp')} heads, not {kind} {cfg.arch}")
+    if kind == "hydra" and cfg.arch == "mlp" and heads.num_heads == cfg.num_heads and heads.num_layers < cfg.num_layers:
+        _deepen(heads, cfg.num_layers)
     if heads.num_heads != cfg.num_heads or heads.num_layers != cfg.num_layers:
         raise TrainError(f"--init: {folder} holds {heads.kind} heads with {heads.num_heads} heads of {heads.num_layers} "
                          f"layers; training asks for {cfg.num_heads} of {cfg.num_layers}")
     if not heads.draft_vocab.numel():
         raise TrainError(f"--init: {folder} has no draft vocabulary")
     return heads.bind(model)
+
+
+def _deepen(heads: DraftHeads, num_layers: int) -> None:
+    """Append ResBlocks to every Hydra mlp head, each the identity at first (zero weight and bias),
+    so deeper heads start from the given heads' predictions."""
+    for block in heads.hydra_mlp:
+        like = block[0].linear.weight
+        while len(block) < num_layers:
+            new = ResBlock(heads.hidden_size)
+            torch.nn.init.zeros_(new.linear.bias)
+            block.append(new.to(device=like.device, dtype=like.dtype))
+    heads.num_layers = num_layers
 
 
 def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool,
@@ -598,11 +612,12 @@ def train_and_save(
     results = {}
     for kind in kinds:
         torch.manual_seed(cfg.seed)
-        if cfg.init:  # fine-tune shipped heads: their weights and draft vocabulary
+        if cfg.init:  # fine-tune shipped heads: their weights and (unless new_vocab) draft vocabulary
             heads = initial_heads(kind, cfg, model)
             vocab = heads.draft_vocab.cpu()
         else:
             heads = new_heads(kind, cfg, model).bind(model)
+        if not cfg.init or cfg.new_vocab:
             vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
             heads.set_draft_vocab(vocab)
         flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)

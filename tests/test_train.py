@@ -257,6 +257,30 @@ def test_training_further_starts_from_the_given_heads_and_keeps_their_vocabulary
                        {"hydra": tmp_path / "third" / "hydra"}, tmp_path / "w3", progress=False)
 
 
+def test_training_further_may_choose_a_new_vocabulary_and_deepen_the_heads(tiny, tmp_path):
+    """`new_vocab` re-chooses the draft vocabulary from the corpus (the shared LM head's rows carry
+    no head weights), and more layers than the init heads have append blocks that start as the
+    identity: before any real step the deeper heads score every token as the ones they grew from."""
+    cfg = replace(CFG, self_prompts=(("chat", 3),), ref_prompts=(), heldout_prompts=1, answer_tokens=12, gen_batch=3,
+                  draft_vocab=24)
+    first = tmp_path / "first"
+    train_and_save(tiny, fake_encode, fake_encode, set(), 0, cfg, ["hydra"], {"hydra": first / "hydra"}, tmp_path / "w1",
+                   progress=False)
+    again = replace(cfg, init=str(first), steps=1, lr=1e-12, draft_vocab=40, new_vocab=True, num_layers=3)
+    prov = train_and_save(tiny, fake_encode, fake_encode, set(), 0, again, ["hydra"], {"hydra": tmp_path / "second" / "hydra"},
+                          tmp_path / "w2", progress=False)["hydra"]
+    old, new = load_heads(first / "hydra", tiny.config).bind(tiny), load_heads(tmp_path / "second" / "hydra", tiny.config).bind(tiny)
+    assert prov["draft_vocab"]["size"] == 40 and new.draft_vocab.numel() == 40 and old.draft_vocab.numel() == 24
+    assert prov["train_config"]["new_vocab"] and new.num_layers == 3 and old.num_layers == 2
+    assert set(old.draft_vocab.tolist()) < set(new.draft_vocab.tolist())  # the 24 most frequent stay among the 40
+    torch.manual_seed(0)
+    feature, path = torch.randn(5, tiny.config.hidden_size), torch.randint(0, VOCAB, (5, 4))
+    for i in range(old.num_heads):
+        full_a = old.lm_logits(i, old.head_hidden(i, feature, path[:, : i + 1]), full_vocab=True)
+        full_b = new.lm_logits(i, new.head_hidden(i, feature, path[:, : i + 1]), full_vocab=True)
+        torch.testing.assert_close(full_a, full_b, rtol=2e-2, atol=2e-2)  # bfloat16 weights on both sides
+
+
 def test_prefix_features_equal_the_engines_incremental_prefix_layer(tiny):
     """Training runs Hydra++'s prefix layer over a whole sequence at once; the engine feeds it the
     accepted tokens' states step by step with a cache. Both give the same features."""

@@ -119,3 +119,12 @@ def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
     saved.write_text('{"rows": []}')
     with pytest.raises(ReportError, match="not the JSON line of `python -m entmtp kernels`"):
         read_floor(saved)
+
+
+def test_new_vocab_without_init_is_one_line_and_exit_2(capsys, tiny_dir):
+    """`train-heads --new-vocab` re-chooses the vocabulary of --init heads: alone it is refused
+    before any model loads."""
+    code, out, err = cli(capsys, "train-heads", "--new-vocab", "--model", str(tiny_dir))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entmtp: error:") and "--new-vocab" in lines[0], err

@@ -156,5 +156,5 @@ class TrainConfig:
     temperature: float = 1.0
     seed: int = 0
     checkpoint_every: int = 50
-    init: str = ""  # a heads folder (holding <kind>/) to train further instead of fresh heads; its draft vocabulary is kept
+    init: str = ""  # a heads folder (holding <kind>/) to train further instead of fresh heads; its draft vocabulary is kept unless new_vocab
     new_vocab: bool = False  # with init: choose the draft vocabulary afresh from this corpus (shared LM head rows: no weights change)

@@ -610,15 +610,18 @@ def train_and_save(
     lm = _lm_head(model)
     flat = Flat.of(corpus)
     results = {}
+    fresh_vocab = None  # chosen once from the corpus, for every kind that needs it
     for kind in kinds:
         torch.manual_seed(cfg.seed)
-        if cfg.init:  # fine-tune shipped heads: their weights and (unless new_vocab) draft vocabulary
-            heads = initial_heads(kind, cfg, model)
+        # fine-tune shipped heads: their weights and (unless new_vocab) draft vocabulary
+        heads = initial_heads(kind, cfg, model) if cfg.init else new_heads(kind, cfg, model).bind(model)
+        if cfg.init and not cfg.new_vocab:
             vocab = heads.draft_vocab.cpu()
         else:
-            heads = new_heads(kind, cfg, model).bind(model)
-        if not cfg.init or cfg.new_vocab:
-            vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0], [encode(p) for p in dict.fromkeys(corpus.prompts)])
+            if fresh_vocab is None:
+                fresh_vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0],
+                                          [encode(p) for p in dict.fromkeys(corpus.prompts)])
+            vocab = fresh_vocab
             heads.set_draft_vocab(vocab)
         flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)
         stats = train_heads(heads, flat, cfg, work / f"{kind}.ckpt", resume, progress, log,

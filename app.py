@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from entmtp import plots
-from entmtp.bank import TopologyBank
+from entmtp.figures import plots
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import DEFAULT_MODEL, TASKS
-from entmtp.engine import GenerationError
-from entmtp.loading import LoadError, resolve_bank
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for,
+from entmtp.spec.engine import GenerationError
+from entmtp.runtime.runtime import LoadError, resolve_bank
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for,
                          bank_note, fallback_bank, has_bank, needs_fit, start, tree_view, validate)
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from .config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -85,7 +85,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 def _runtime(args: argparse.Namespace):
     """The runtime of a command that decodes: banks under this machine's fit (calibrated once if
     none is cached) unless --no-calibrate asks for the fit shipped in the bank file."""
-    from .loading import load_runtime
+    from entmtp.runtime.runtime import load_runtime
 
     return load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir,
                         fit_mode="shipped" if args.no_calibrate else "auto", progress=_progress)
@@ -233,8 +233,8 @@ def task_counts(text: str) -> tuple:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .data import read_prompt_file
-    from .engine import collect
+    from entmtp.data.prompts import read_prompt_file
+    from entmtp.spec.engine import collect
 
     if args.typical and args.temperature == 0:
         raise UsageError("--typical needs --temperature > 0")
@@ -266,8 +266,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _work_dir(args: argparse.Namespace) -> Path:
-    from .config import ROOT
-    from .loading import model_slug
+    from entmtp.config import ROOT
+    from entmtp.runtime.runtime import model_slug
 
     return Path(args.work) if args.work else ROOT / "checkpoints" / "heads" / model_slug(args.model)
 
@@ -277,9 +277,9 @@ def _kinds(kind: str) -> list[str]:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> None:
-    from .loading import default_heads_dir, eos_ids, load_runtime
-    from .answers import ANSWERS_DIR, AnswerStore
-    from .train import train_and_save
+    from entmtp.runtime.runtime import default_heads_dir, eos_ids, load_runtime
+    from entmtp.data.answers import ANSWERS_DIR, AnswerStore
+    from entmtp.tools.train import train_and_save
 
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
@@ -334,8 +334,8 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
-    from .evalheads import evaluate
-    from .loading import cache_root
+    from entmtp.tools.evalheads import evaluate
+    from entmtp.runtime.runtime import cache_root
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
@@ -362,8 +362,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def cmd_build_bank(args: argparse.Namespace) -> None:
-    from .calibrate import bank_figure, build_task_bank, calibration_prompts, fit_summary, fit_table
-    from .loading import bank_path, load_runtime
+    from entmtp.figures.plots import bank_figure
+    from entmtp.bank.build import build_task_bank, calibration_prompts
+    from entmtp.bank.fit import fit_summary, fit_table
+    from entmtp.runtime.runtime import bank_path, load_runtime
 
     cfg = BankBuildConfig(calib_prompts=args.calib_prompts, calib_new_tokens=args.calib_new_tokens,
                           max_candidates=args.max_candidates)
@@ -386,8 +388,9 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .calibrate import bank_figure, fit_summary, fit_table
-    from .loading import bank_path, load_runtime
+    from entmtp.figures.plots import bank_figure
+    from entmtp.bank.fit import fit_summary, fit_table
+    from entmtp.runtime.runtime import bank_path, load_runtime
 
     t0 = time.perf_counter()
     tasks = list(dict.fromkeys(args.task or TASKS))
@@ -410,7 +413,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .bench import bench_items, check_methods, run_bench, save, summary, table, warmup_line
+    from entmtp.tools.bench import bench_items, check_methods, run_bench, save, summary, table, warmup_line
 
     cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
     items = bench_items(args.prompts, args.tasks, cfg.prompts_per_task)
@@ -438,8 +441,8 @@ def _natural(path: Path) -> list:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from .config import ROOT
-    from .report import ReportError, read_floor, read_gpu, read_run, render
+    from entmtp.config import ROOT
+    from entmtp.tools.report import ReportError, read_floor, read_gpu, read_run, render
 
     files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"), key=_natural)
     if not files:
@@ -461,9 +464,10 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_kernels(args: argparse.Namespace) -> None:
     import torch
 
-    from .calibrate import hardware
-    from .kernels import compare, compare_table, is_packed
-    from .loading import load_runtime
+    from entmtp.machine import hardware
+    from entmtp.model.serve import is_packed
+    from entmtp.tools.kernelbench import compare, compare_table
+    from entmtp.runtime.runtime import load_runtime
 
     threads = torch.get_num_threads()
     if args.threads:
@@ -473,7 +477,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         if not is_packed(rt.model):
             raise UsageError("packed kernels need PyTorch with oneDNN on this CPU: there is nothing to compare here")
         cfg = KernelBenchConfig(reps=args.reps, context=args.context)
-        from .kernels import label
+        from entmtp.model.serve import label
 
         result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32", "kernels": label(rt.model),
                   **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__}
@@ -488,13 +492,13 @@ COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bank import BankError
-    from .data import DataError
-    from .engine import GenerationError
-    from .heads import HeadsError
-    from .loading import LoadError
-    from .topology import TopologyError
-    from .train import TrainError
+    from entmtp.bank.bank import BankError
+    from entmtp.data.prompts import DataError
+    from entmtp.spec.engine import GenerationError
+    from entmtp.spec.heads import HeadsError
+    from entmtp.runtime.runtime import LoadError
+    from entmtp.spec.topology import TopologyError
+    from entmtp.tools.train import TrainError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -30,11 +30,11 @@ METHODS = (
 )
 # Methods that run through our own decode loop (the others call transformers `generate`).
 ENGINE_METHODS = ("ar", "medusa", "hydra", "entmtp-static", "entmtp-ladder", "entmtp-tau")
-BASELINE_TREE = "mc_sim_7b_63"  # Hydra's and Medusa's default tree (entmtp/trees.json)
+BASELINE_TREE = "mc_sim_7b_63"  # Hydra's and Medusa's default tree (entmtp/spec/trees.json)
 
 HEADS_DIR = ROOT / "assets" / "heads"
 BANKS_DIR = ROOT / "banks"
-TREES_FILE = ROOT / "entmtp" / "trees.json"
+TREES_FILE = ROOT / "entmtp" / "spec" / "trees.json"
 
 
 # CPU kernels for the base model's linear layers. q8: a GGUF's own Q4_1/Q8_0 blocks where the
@@ -115,7 +115,7 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class KernelBenchConfig:
-    """`python -m entmtp kernels`: packed against stock CPU kernels, per tree size (entmtp.kernels.compare)."""
+    """`python -m entmtp kernels`: packed against stock CPU kernels, per tree size (entmtp.tools.kernelbench)."""
 
     sizes: tuple[int, ...] = (1, 2, 4, 9, 17)  # tree nodes verified at once (1: a plain decode step)
     context: int = 192  # cached tokens the tree attends to (as calibrate times a step)

@@ -40,15 +40,18 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from entmtp import kernels, kv, verify  # noqa: E402
-from entmtp.bank import TopologyBank  # noqa: E402
-from entmtp.calibrate import fit_task  # noqa: E402
+from entmtp.model import forward
+from entmtp.model import kernels, serve
+from entmtp.model import kv
+from entmtp.spec import verify  # noqa: E402
+from entmtp.bank.bank import TopologyBank  # noqa: E402
+from entmtp.bank.fit import fit_task  # noqa: E402
 from entmtp.config import BASELINE_TREE, DEFAULT_MODEL, TASKS, TREES_FILE, GenerationConfig  # noqa: E402
-from entmtp.engine import Engine, Strategy, collect  # noqa: E402
-from entmtp.heads import HydraHeads, MedusaHeads  # noqa: E402
-from entmtp.loading import Runtime, resolve_bank  # noqa: E402
-from entmtp.policy import StaticPolicy  # noqa: E402
-from entmtp.topology import Tree, compile_tree, load_named_trees  # noqa: E402
+from entmtp.spec.engine import Engine, Strategy, collect  # noqa: E402
+from entmtp.spec.heads import HydraHeads, MedusaHeads  # noqa: E402
+from entmtp.runtime.runtime import Runtime, resolve_bank  # noqa: E402
+from entmtp.spec.policy import StaticPolicy  # noqa: E402
+from entmtp.spec.topology import Tree, compile_tree, load_named_trees  # noqa: E402
 
 CONFIG_FILE = Path(__file__).with_name("default_model_config.json")
 TIE = 1e-3  # a reference logit gap below TIE * max(1, |logit|) is float noise between kernels
@@ -128,7 +131,7 @@ def random_heads(model, kind: str, seed: int = 1):
         for p in heads.parameters():
             p.normal_(0, 0.3)
     heads.bind(model)
-    return heads.pack() if kernels.is_packed(model) else heads
+    return heads.pack() if serve.is_packed(model) else heads
 
 
 # -- lossless -------------------------------------------------------------------------------------
@@ -173,7 +176,7 @@ def random_prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 
 def tree_strategies(trees: list[Tree], heads, kind: str) -> list[Strategy]:
-    return [Strategy(f"{kind}/{t.name}", TopologyBank.of(t), StaticPolicy(0), heads if t.max_depth else None) for t in trees]
+    return [Strategy(f"{kind}/{t.name}", (t,), StaticPolicy(0), heads if t.max_depth else None) for t in trees]
 
 
 def check_tiny(device, trees: list[Tree], baseline: Tree, banks, sizes: Sizes, cuda_graphs: bool) -> tuple[int, list, list]:
@@ -293,8 +296,8 @@ def compiled_graphs(model, rt: Runtime, trees: list[Tree], prompts, refs, contex
         out["lossless"] = {"cases": c, "n_failures": len(f), "n_ties": len(t), "failure_list": f, "tie_list": t}
         out["step_ms"] = {}
         for s in strategies:
-            out["step_ms"][s.bank[0].name], _, _ = step_ms(engine, s, context, sizes)
-            log(f"  {s.bank[0].name:>14} {s.bank[0].n_nodes:3d} nodes {out['step_ms'][s.bank[0].name]:9.3f} ms (compiled)")
+            out["step_ms"][s.trees[0].name], _, _ = step_ms(engine, s, context, sizes)
+            log(f"  {s.trees[0].name:>14} {s.trees[0].n_nodes:3d} nodes {out['step_ms'][s.trees[0].name]:9.3f} ms (compiled)")
     except Exception as e:  # the rest of the check stands
         import traceback
 
@@ -311,7 +314,7 @@ def preflight(device: torch.device) -> None:
     model = tiny_llama(0, 48, device)
     cache = kv.new_cache(model.config)
     with torch.inference_mode():
-        verify.forward(model, cache, torch.tensor([[1, 2, 3]], device=device), torch.arange(3, device=device)[None], None)
+        forward.forward(model, cache, torch.tensor([[1, 2, 3]], device=device), torch.arange(3, device=device)[None], None)
     if cache.get_seq_length() != 3:
         raise RuntimeError(
             f"transformers {transformers.__version__}: a forward through entmtp.verify.forward left the KV cache "
@@ -341,7 +344,7 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
     for task in TASKS if not quick else TASKS[:1]:
         for p in ("static", "ladder", "tau"):
             s = rt.strategy(f"entmtp-{p}", task)
-            strategies.append(Strategy(f"entmtp-{p}/{task}", s.bank, s.policy, s.heads))
+            strategies.append(Strategy(f"entmtp-{p}/{task}", s.trees, s.policy, s.heads))
     if not quick:
         strategies += tree_strategies(trees, rt.heads("hydra"), "hydra")
     c, f, t = check(model, rt.engine, strategies, prompts, refs, sizes.new_tokens, "default-arch")
@@ -358,18 +361,18 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
     # captured verification with the heads drafting eagerly: what capturing the drafts saves
     eager_drafts = Engine(model, cuda_graphs=True) if graphed else None
     if eager_drafts is not None:
-        eager_drafts.graphs.drafts.capture = False
+        eager_drafts.drafts.capture = False
         eager_drafts.warmup(node_sizes, context=sizes.context)
     g = torch.Generator().manual_seed(11)
     context = torch.randint(1, model.config.vocab_size, (sizes.context,), generator=g).tolist()
     costs, costs_eager, costs_eager_drafts, phases, prefills = {}, {}, {}, {}, []
     for s in tree_strategies(trees, rt.heads("hydra"), "hydra"):
-        name = s.bank[0].name
+        name = s.trees[0].name
         step, first, phases[name] = step_ms(rt.engine, s, context, sizes)
         costs[name] = round(step, 3)
         prefills.append((first - step) / sizes.context)
-        line = f"  {name:>14} {s.bank[0].n_nodes:3d} nodes {costs[name]:9.3f} ms"
-        if eager_drafts is not None and s.bank[0].n_nodes > 1:
+        line = f"  {name:>14} {s.trees[0].n_nodes:3d} nodes {costs[name]:9.3f} ms"
+        if eager_drafts is not None and s.trees[0].n_nodes > 1:
             costs_eager_drafts[name] = round(step_ms(eager_drafts, s, context, sizes)[0], 3)
             line += f"   eager drafts {costs_eager_drafts[name]:9.3f} ms"
         if eager is not None:
@@ -407,7 +410,7 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         "warmup_ms": {"served": {str(k): v for k, v in sorted(rt.engine.warmup_ms.items())},
                       "eager": {str(k): v for k, v in sorted(eager.warmup_ms.items())} if eager is not None else {},
                       "capture_per_slot": {str(k): v for k, v in sorted(rt.engine.graphs.capture_ms().items())} if graphed else {},
-                      "draft_capture": dict(rt.engine.graphs.drafts.capture_ms) if graphed else {}},
+                      "draft_capture": dict(rt.engine.drafts.capture_ms) if graphed else {}},
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
         "nodes": {t.name: t.n_nodes for t in trees},
         "predicted": predicted,

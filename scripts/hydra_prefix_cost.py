@@ -15,15 +15,15 @@ import tempfile
 
 import torch
 
-from entmtp import data
-from entmtp.bank import TopologyBank
+from entmtp.data import prompts as data
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import DEFAULT_MODEL, TREES_FILE, GenerationConfig, ModelConfig, TrainConfig
-from entmtp.engine import Strategy
-from entmtp.heads import load_heads, save_heads
-from entmtp.loading import default_heads_dir, load_runtime, resolve_heads
-from entmtp.policy import StaticPolicy
-from entmtp.topology import load_named_trees
-from entmtp.train import new_heads
+from entmtp.spec.engine import Strategy
+from entmtp.spec.heads import load_heads, save_heads
+from entmtp.runtime.runtime import default_heads_dir, load_runtime, resolve_heads
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import load_named_trees
+from entmtp.tools.train import new_heads
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
     for timed in (False, True):
         for tree in trees:
             for label, h in heads.items():
-                strategy = Strategy(label, TopologyBank.of(tree), StaticPolicy(0), h)
+                strategy = Strategy(label, (tree,), StaticPolicy(0), h)
                 for ids in prompts:
                     records = list(rt.engine.generate(ids, strategy, gen))[2:]
                     if timed:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from entmtp.heads import HydraHeads, MedusaHeads, save_heads
-from entmtp.loading import default_gguf
+from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.runtime.runtime import default_gguf
 
 VOCAB = 48
 ALL_THREADS = torch.get_num_threads()

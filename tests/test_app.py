@@ -13,9 +13,9 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from entmtp.config import DEFAULT_MODEL, ROOT, GenerationConfig
-from entmtp.engine import collect
-from entmtp.heads import HydraHeads, MedusaHeads, save_heads
-from entmtp.loading import default_heads_dir
+from entmtp.spec.engine import collect
+from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.runtime.runtime import default_heads_dir
 from conftest import ALL_THREADS
 
 pytestmark = pytest.mark.slow

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from entmtp.bank import BankError, TopologyBank, load_bank, parse_bank, policies_json
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree
-from entmtp.traces import Trace
+from entmtp.bank.bank import BankError, TopologyBank, load_bank, parse_bank, policies_json
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import chain_paths, compile_tree
+from entmtp.bank.traces import Trace
 
 
 def valid_bank() -> dict:
-    trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
+    trees = [compile_tree([], "ar"), compile_tree(chain_paths(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
     stats = [{"mean_accepted": 1.0 + i, "step_ms": 50.0 + i, "tokens_per_s": 20.0 + i} for i in range(3)]
     policies = {"static": StaticPolicy(1), "ladder": LadderPolicy((0, 1, 2), (0.3, 0.7)), "tau": TauPolicy(0, 2, 0.6, 0.4, "path_value", 1)}
     fit = {"hardware": "cpu test", "fingerprint": {"device": "cpu test"}, "date": "2026-11-30", "front": ["ar", "t3"],

@@ -5,18 +5,18 @@ import json
 import pytest
 
 from entmtp.__main__ import main
-from entmtp.bank import TopologyBank
-from entmtp.bench import run_bench, table
-from entmtp.calibrate import fit_task
+from entmtp.bank.bank import TopologyBank
+from entmtp.tools.bench import run_bench, table
+from entmtp.bank.fit import fit_task
 from entmtp.config import METHODS, BenchConfig, ModelConfig
-from entmtp.loading import load_runtime, model_slug
-from entmtp.topology import chain, compile_tree
-from entmtp.traces import Trace
+from entmtp.runtime.runtime import load_runtime, model_slug
+from entmtp.spec.topology import chain_paths, compile_tree
+from entmtp.bank.traces import Trace
 
 
 def write_bank(banks_dir, slug, task):
     """A bank file with made-up traces and a fit from another (made-up) machine."""
-    trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
+    trees = [compile_tree([], "ar"), compile_tree(chain_paths(2), "c2"), compile_tree([[0], [1], [0, 0]], "t3")]
     traces = [Trace(5, [[0, 1, -1, -1] if i % 3 else [1, 0, -1, -1] for i in range(20)], [0.3 + 0.03 * i for i in range(20)],
                     [1.0] * 20, [[0.5] * 4 for _ in range(20)])]
     fit = {"hardware": "cpu elsewhere", "fingerprint": {"device": "cpu elsewhere"}, "date": "2026-11-30", "context": 8,
@@ -87,7 +87,7 @@ def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):
 def test_a_served_oracle_decides_losslessness():
     """Where the served arithmetic is not float32's, an untimed `generate` on the served model (the
     `oracle` rows) decides `lossless`; stock float32 `hf` rows say whether they matched it."""
-    from entmtp.bench import aggregate, check_cell
+    from entmtp.tools.bench import aggregate, check_cell
 
     phases = {"schedule": 1.0, "draft": 0.0, "verify": 1.0, "accept": 0.0, "kv": 0.0}
     rows = []

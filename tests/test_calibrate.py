@@ -5,13 +5,16 @@ import random
 
 import pytest
 
-from entmtp import calibrate as cal
-from entmtp import traces as tr
-from entmtp.bank import TopologyBank, parse_bank
+from entmtp.bank import build
+from entmtp.bank import fit as fitting
+from entmtp.bank import calibrate as cal
+from entmtp.bank import record as rec
+from entmtp.bank import traces as tr
+from entmtp.bank.bank import TopologyBank, parse_bank
 from entmtp.config import BankBuildConfig, CalibrateConfig, GenerationConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import compile_tree
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import compile_tree
 from conftest import random_heads, random_tree, tiny_llama
 
 
@@ -27,7 +30,7 @@ def setup(request):
     rng = random.Random(0)
     prompts = [[rng.randrange(12) for _ in range(rng.randint(3, 9))] for _ in range(6)]
     engine = Engine(m)
-    traces = tr.record_all(engine, heads, prompts, N_NEW, 4)
+    traces = rec.record_all(engine, heads, prompts, N_NEW, 4)
     return engine, heads, prompts, traces
 
 
@@ -40,7 +43,7 @@ def test_greedy_trees_are_nested_valid_and_gains_justified():
     rng = random.Random(1)
     paths = [tuple(rng.choice([0, 0, 0, 1, 2]) for _ in range(rng.randint(0, 4))) for _ in range(400)]
     for depth in (1, 2, 3, 4):
-        seq = cal.greedy_trees(paths, depth, 20)
+        seq = build.greedy_trees(paths, depth, 20)
         prev: set = set()
         gains = []
         for nodes, gain in seq:
@@ -58,12 +61,12 @@ def test_greedy_trees_are_nested_valid_and_gains_justified():
         assert any(a > b for a, b in zip(gains, gains[1:])), "data should make some gains fall"
         # acceptance = 1 + sum of the gains taken so far
         for k, (nodes, _) in enumerate(seq):
-            assert cal.predicted_acceptance(nodes, paths) == pytest.approx(1 + sum(gains[: k + 1]))
+            assert build.predicted_acceptance(nodes, paths) == pytest.approx(1 + sum(gains[: k + 1]))
 
 
 def test_ties_prefer_smaller_rank_sum_then_shallower():
     # (0, 0), (0, 1) and (1,) are each accepted once: rank sums 0, 1, 1; then (1,) is shallower
-    seq = cal.greedy_trees([(0, 0), (0, 1), (1,)], 2, 4)
+    seq = build.greedy_trees([(0, 0), (0, 1), (1,)], 2, 4)
     assert [n[-1] for n, _ in seq] == [(0,), (0, 0), (1,), (0, 1)]
 
 
@@ -78,7 +81,7 @@ def test_traces_predict_every_tree_exactly(setup):
     accepted_some = False
     for k, tree in enumerate(trees):
         for j, prompt in enumerate(prompts):
-            real = real_run(engine, heads, prompt, TopologyBank.of(tree), StaticPolicy(0))
+            real = real_run(engine, heads, prompt, (tree,), StaticPolicy(0))
             sim = tr.simulate(tr.Tables([tree], [traces[j]]), StaticPolicy(0).chooser, [feats[j]], [1.0])
             assert sim.steps == len(real.steps) and sim.tokens == real.new_tokens, (tree.name, j)
             accepted_some |= any(r.accepted > 1 for r in real.steps)
@@ -96,7 +99,7 @@ def test_traces_predict_switching_policies_exactly(setup, feature, depth):
     bank = TopologyBank(trees, [{}] * 4, {})
     reads = depth or bank.max_depth
     values = sorted(v for t in traces for v in t.feature(feature, reads))
-    q = cal._quantiles(values, 4)
+    q = fitting._quantiles(values, 4)
     assert len(q) == 3
     policies = [LadderPolicy((0, 1, 2, 3), tuple(q), feature, depth), TauPolicy(1, 3, q[2], q[0], feature, depth)]
     tables = tr.Tables(trees, traces)
@@ -132,7 +135,7 @@ def test_fit_switches_where_switching_pays():
     """Big trees cost twice a small one: τ must go big exactly on confident positions and beat static."""
     trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
     costs = [10.0, 11.0, 20.0]
-    fit = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12)
+    fit = fitting.fit_task(trees, synthetic(), costs, 0.0, grid=12)
     pol = fit["policies"]
     assert pol["static"]["tree"] == "n2-d1"  # static: one cheap draft beats paying 20 ms on unsure steps
     assert {pol["tau"]["small"], pol["tau"]["large"]} == {"n2-d1", "n4-d3"} or pol["tau"]["small"] == "n1-d0"
@@ -142,18 +145,18 @@ def test_fit_switches_where_switching_pays():
     assert fit["features"]["p0"]["spearman"] > 0.9  # p0 predicts acceptance perfectly here
     # the path value costs the heads' chain through the bank's depth every step: when that chain
     # is dear, a policy on it pays for it in the prediction and another feature wins
-    dear = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 30.0, 30.0, 30.0])
+    dear = fitting.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 30.0, 30.0, 30.0])
     assert dear["feature"] != "path_value" and dear["chain_ms"] == [0.0, 30.0, 30.0, 30.0]
     assert dear["features"]["path_value"]["tau"] < dear["features"]["p0"]["tau"]
     # a chain that is cheap for one head and dear beyond: the path value is fitted on g_1, where it
     # costs nothing beyond the n2-d1 tree's own draft, and each depth is reported
-    shallow = cal.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 0.5, 30.0, 30.0])
+    shallow = fitting.fit_task(trees, synthetic(), costs, 0.0, grid=12, chain_ms=[0.0, 0.5, 30.0, 30.0])
     pv = shallow["features"]["path_value"]
     assert pv["depth"] == 1 and set(pv["depths"]) == {"1", "2", "3"}
     assert pv["tau"] == pv["depths"]["1"]["tau"] > pv["depths"]["3"]["tau"]
     assert pv["tau"] > 1.2 * shallow["predicted_tokens_per_s"]["entmtp-static"]
     # with the big tree as cheap as the small one nothing is worth switching for: τ says so
-    flat = cal.fit_task(trees, synthetic(), [10.0, 10.0, 10.0], 0.0, grid=12)
+    flat = fitting.fit_task(trees, synthetic(), [10.0, 10.0, 10.0], 0.0, grid=12)
     assert flat["policies"]["static"]["tree"] == "n4-d3"
     assert "tau" in flat["degenerate"] and "never switches" in flat["degenerate"]["tau"]
 
@@ -162,19 +165,19 @@ def test_a_cheaper_median_for_a_bigger_tree_is_pooled_as_noise():
     """Costs become non-decreasing in tree size (pool adjacent violators); the medians stay beside."""
     trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [0, 0]], "n3-d2"),
              compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
-    assert cal.monotone_costs(trees, [10.0, 14.0, 12.0, 20.0]) == [10.0, 13.0, 13.0, 20.0]
-    assert cal.monotone_costs(trees, [10.0, 11.0, 12.0, 13.0]) == [10.0, 11.0, 12.0, 13.0]
-    assert cal.monotone_costs(trees, [13.0, 12.0, 11.0, 10.0]) == [11.5] * 4
-    fit = cal.fit_task(trees, synthetic(2, 20), [10.0, 14.0, 12.0, 20.0], 0.0)
+    assert fitting.monotone_costs(trees, [10.0, 14.0, 12.0, 20.0]) == [10.0, 13.0, 13.0, 20.0]
+    assert fitting.monotone_costs(trees, [10.0, 11.0, 12.0, 13.0]) == [10.0, 11.0, 12.0, 13.0]
+    assert fitting.monotone_costs(trees, [13.0, 12.0, 11.0, 10.0]) == [11.5] * 4
+    fit = fitting.fit_task(trees, synthetic(2, 20), [10.0, 14.0, 12.0, 20.0], 0.0)
     assert [fit["trees"][t.name]["step_ms"] for t in trees] == [10.0, 13.0, 13.0, 20.0]
     assert [fit["trees"][t.name]["measured_ms"] for t in trees] == [10.0, 14.0, 12.0, 20.0]
     wide = [compile_tree([], "n1-d0"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3"), compile_tree([[0], [1], [2], [3], [4]], "n6-d1")]
-    assert cal.monotone_costs(wide, [10.0, 30.0, 20.0]) == [10.0, 30.0, 20.0]  # depth falls as nodes grow: left as measured
+    assert fitting.monotone_costs(wide, [10.0, 30.0, 20.0]) == [10.0, 30.0, 20.0]  # depth falls as nodes grow: left as measured
 
 
 def test_fit_prices_each_tree_by_its_traces():
     trees = [compile_tree([], "n1-d0"), compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
-    fit = cal.fit_task(trees, synthetic(2, 20), [10.0, 20.0], 1.0)
+    fit = fitting.fit_task(trees, synthetic(2, 20), [10.0, 20.0], 1.0)
     # per trace (20 positions, runs of 5): steps at 0, 4 (sure: +4 each), 8, 9 (unsure: +1), 10, 14, 18, 19
     n4 = fit["trees"]["n4-d3"]
     assert n4["mean_accepted"] == pytest.approx(40 / 16)
@@ -187,7 +190,7 @@ def tiny_bank(setup, tmp_path, fp):
     cfg = BankBuildConfig(calib_new_tokens=24, max_candidates=5)
     prov = {"model": "tiny", "heads_sha256": "x", "calibration": "random", "command": "test", "date": "d", "hardware": "h"}
     calib = CalibrateConfig(context=16, rounds=1, steps=2)
-    return cal.build_bank(engine, heads, prompts, cfg, cal.Stages(tmp_path / "work"),
+    return build.build_bank(engine, heads, prompts, cfg, build.Stages(tmp_path / "work"),
                           {"model": "tiny", "task": "chat", "provenance": prov}, fp, calib)
 
 
@@ -205,12 +208,12 @@ def test_build_bank_end_to_end_and_resume(setup, tmp_path):
     assert acc == sorted(acc) and acc[-1] > acc[0]
     # resuming reuses the traces: no greedy decode runs again (only the timing steps)
     calls = []
-    orig = cal.record_all.__globals__["record"]
-    cal.record_all.__globals__["record"] = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    orig = build.record_all.__globals__["record"]
+    build.record_all.__globals__["record"] = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         again = tiny_bank(setup, tmp_path, fp)
     finally:
-        cal.record_all.__globals__["record"] = orig
+        build.record_all.__globals__["record"] = orig
     assert not calls and [t.paths for t in again.trees] == [t.paths for t in bank.trees]
 
 
@@ -242,8 +245,8 @@ def test_tau_must_beat_the_static_tree_by_a_margin():
     """A switching τ whose predicted gain is under TAU_MIN_GAIN stays the static tree."""
     from types import SimpleNamespace
 
-    from entmtp.calibrate import TAU_MIN_GAIN, _fit_tau
-    from entmtp.policy import StaticPolicy
+    from entmtp.bank.fit import TAU_MIN_GAIN, _fit_tau
+    from entmtp.spec.policy import StaticPolicy
 
     for gain, switches in ((TAU_MIN_GAIN / 2, False), (TAU_MIN_GAIN * 2, True)):
         run = lambda pol, g=gain: SimpleNamespace(tokens_per_s=100.0 * (1 + g) if pol.small != pol.large else 100.0)  # noqa: E731
@@ -287,7 +290,7 @@ def test_the_ceiling_is_the_best_any_sequence_of_choices_reaches():
         assert sum(costs[k] for k in got.picks) == pytest.approx(best)  # the picks it reports realise it
         only_small = tr.foresight(tables, costs, 2.0, among=[0])
         assert only_small.ms == pytest.approx(10.0 * n + 10.0) and only_small.steps == n
-    fit = cal.fit_task(trees, synthetic(), costs, 1.0, grid=12)
+    fit = fitting.fit_task(trees, synthetic(), costs, 1.0, grid=12)
     ceiling = fit["ceiling"]["tokens_per_s"]
     assert all(v <= ceiling + 1e-6 for k, v in fit["predicted_tokens_per_s"].items() if k != "hydra")
     assert all(st["tokens_per_s"] <= ceiling + 1e-6 for st in fit["trees"].values())
@@ -295,4 +298,4 @@ def test_the_ceiling_is_the_best_any_sequence_of_choices_reaches():
     assert fit["predicted_tokens_per_s"]["entmtp-ladder"] >= fit["predicted_tokens_per_s"]["entmtp-static"] - 1e-6
     assert fit["ceiling"]["over_ar"] == pytest.approx(ceiling / fit["predicted_tokens_per_s"]["ar"], rel=1e-3)
     fit.update(hardware="h", date="d")  # what `calibrate` adds
-    assert "ceiling:" in cal.fit_table(fit) and cal.fit_summary(fit)["ceiling"] == fit["ceiling"]
+    assert "ceiling:" in fitting.fit_table(fit) and fitting.fit_summary(fit)["ceiling"] == fit["ceiling"]

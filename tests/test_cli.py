@@ -84,7 +84,7 @@ def test_module_entry_point_exits_2_without_traceback(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(not __import__("entmtp.kernels").kernels.available("cpu", __import__("torch").float32),
+@pytest.mark.skipif(not __import__("entmtp.model.kernels").model.kernels.available("cpu", __import__("torch").float32),
                     reason="PyTorch without oneDNN: no packed kernels to time")
 def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
     import torch
@@ -109,7 +109,7 @@ def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
     assert (w - 0.05) / (b + 0.05) - 0.005 <= floor["memory_ms"] <= (w + 0.05) / max(b - 0.05, 1e-9) + 0.005
     assert len(lines) == 1 + 2 + 5 + 1 + 1  # heading, table head and rule, a row per size, the floor, the JSON line
     # saved under benchmarks/kernels/, `report` renders it as a section of its own
-    from entmtp.report import ReportError, floor_section, read_floor
+    from entmtp.tools.report import ReportError, floor_section, read_floor
 
     saved = tiny_dir / "kernels.json"
     saved.write_text(lines[-1])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from entmtp import data
-from entmtp.data import DataError
+from entmtp.data import prompts as data
+from entmtp.data.prompts import DataError
 
 
 def test_gsm8k_ships_inside_the_repository(monkeypatch):

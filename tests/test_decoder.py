@@ -5,10 +5,13 @@ import os
 import pytest
 import torch
 
-from entmtp import decoder, kernels, kv, verify
+from entmtp.model import decoder
+from entmtp.model import kernels
+from entmtp.model import kv
+from entmtp.spec import verify
 from entmtp.config import ModelConfig
-from entmtp.loading import load_model
-from entmtp.topology import compile_tree
+from entmtp.runtime.runtime import load_model
+from entmtp.spec.topology import compile_tree
 from conftest import ALL_THREADS, tiny_llama
 
 
@@ -27,7 +30,7 @@ def check_steps(model, prompt_len: int, vocab: int):
     caches = kv.new_cache(model.config), kv.new_cache(model.config)
     tree = compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")
     with torch.inference_mode():
-        outs = [decoder.forward(model, caches[0], ids, torch.arange(prompt_len)[None], None),
+        outs = [decoder.lean_forward(model, caches[0], ids, torch.arange(prompt_len)[None], None),
                 transformers_forward(model, caches[1], ids, torch.arange(prompt_len)[None], None)]
         assert outs[0] is not None
         assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -35,14 +38,14 @@ def check_steps(model, prompt_len: int, vocab: int):
         for step in range(4):
             one = torch.randint(3, vocab, (1, 1), generator=g)
             pos = torch.tensor([[past]])
-            a, b = decoder.forward(model, caches[0], one, pos, None), transformers_forward(model, caches[1], one, pos, None)
+            a, b = decoder.lean_forward(model, caches[0], one, pos, None), transformers_forward(model, caches[1], one, pos, None)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
             past += 1
             toks = torch.randint(3, vocab, (tree.n_nodes,), generator=g)
             dtype = model.get_output_embeddings().weight.dtype
             mask = torch.cat([torch.zeros(tree.n_nodes, past, dtype=dtype), tree.mask_block(dtype, torch.device("cpu"))], 1)[None, None]
             pos = (tree.depth_tensor + past)[None]
-            a, b = decoder.forward(model, caches[0], toks[None], pos, mask), transformers_forward(model, caches[1], toks[None], pos, mask)
+            a, b = decoder.lean_forward(model, caches[0], toks[None], pos, mask), transformers_forward(model, caches[1], toks[None], pos, mask)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
             for c in caches:
                 kv.commit(c, past, [0, 1, 3], tree.n_nodes)
@@ -60,11 +63,11 @@ def test_unsupported_cases_fall_back():
     model = tiny_llama()  # stock attention implementation: transformers' own path
     cache = kv.new_cache(model.config)
     with torch.inference_mode():
-        assert decoder.forward(model, cache, torch.tensor([[1, 2]]), torch.arange(2)[None], None) is None
+        assert decoder.lean_forward(model, cache, torch.tensor([[1, 2]]), torch.arange(2)[None], None) is None
     kernels.use_tree_attention(model)
     model.__dict__.pop("_entmtp_plan", None)
     with torch.inference_mode(), kernels.stock_kernels():  # the hf baselines measure transformers as it is
-        assert decoder.forward(model, cache, torch.tensor([[1, 2]]), torch.arange(2)[None], None) is None
+        assert decoder.lean_forward(model, cache, torch.tensor([[1, 2]]), torch.arange(2)[None], None) is None
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from entmtp.drafting import expand, top1_chain
-from entmtp.topology import compile_tree
+from entmtp.spec.drafting import expand, top1_chain
+from entmtp.spec.topology import compile_tree
 from conftest import random_heads, random_tree
 
 # trees whose chain node (0, ..., 0) is not expanded at some depth where other nodes are

@@ -8,26 +8,28 @@ import random
 import pytest
 import torch
 
-from entmtp import kv, verify
-from entmtp.bank import TopologyBank
+from entmtp.model import forward
+from entmtp.model import kv
+from entmtp.spec import verify
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
-from entmtp.engine import Engine, GenerationError, Strategy, collect
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree, load_named_trees
+from entmtp.spec.engine import Engine, GenerationError, Strategy, collect
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import Tree, chain_paths, compile_tree, load_named_trees
 from conftest import random_heads, random_tree, reference, tiny_llama
 
 NAMED = load_named_trees(TREES_FILE)
 
 
 def run(model, prompt, tree_or_bank, heads=None, policy=None, n=30, eos=(), **gen):
-    bank = tree_or_bank if isinstance(tree_or_bank, TopologyBank) else TopologyBank.of(tree_or_bank)
-    strategy = Strategy("t", bank, policy or StaticPolicy(0), heads if bank.max_depth else None)
+    trees = (tree_or_bank,) if isinstance(tree_or_bank, Tree) else tuple(tree_or_bank)
+    strategy = Strategy("t", trees, policy or StaticPolicy(0), heads if max(t.max_depth for t in trees) else None)
     return collect(Engine(model, eos).generate(prompt, strategy, GenerationConfig(max_new_tokens=n, **gen)))
 
 
 def fixed_trees():
     trees = [compile_tree([], "ar"), compile_tree([[0]], "one")]
-    trees += [compile_tree(chain(d), f"chain{d}") for d in (2, 3, 4)]
+    trees += [compile_tree(chain_paths(d), f"chain{d}") for d in (2, 3, 4)]
     trees += [NAMED["mc_sim_7b_63"], compile_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], "small")]
     return trees
 
@@ -76,7 +78,7 @@ def test_prefix_mlp_and_own_lm_head(small_vocab_model, prompts):
     for prompt in prompts:
         prompt = [t % 12 for t in prompt]
         ref = reference(m, prompt, 30)
-        for tree in (NAMED["mc_sim_7b_63"], compile_tree(chain(3))):
+        for tree in (NAMED["mc_sim_7b_63"], compile_tree(chain_paths(3))):
             assert run(m, prompt, tree, heads).token_ids == ref
 
 
@@ -92,7 +94,7 @@ def test_draft_vocabulary_keeps_output_exact(model, prompts):
 
 def _bank(rng, n=4):
     trees = [compile_tree([], "ar")] + [compile_tree(random_tree(rng, max_nodes=8 * (i + 1)), f"t{i}") for i in range(n - 1)]
-    return TopologyBank.of(*trees)
+    return trees
 
 
 @pytest.mark.parametrize("policy_kind", ["ladder", "tau"])
@@ -140,7 +142,7 @@ def test_tree_logits_equal_sequential_logits(model, prompts):
     eng = Engine(model)
     with torch.inference_mode():
         cache = eng.new_cache()
-        verify.forward(model, cache, torch.tensor([prompt]), torch.arange(len(prompt))[None], None)
+        forward.forward(model, cache, torch.tensor([prompt]), torch.arange(len(prompt))[None], None)
         _, tree_logits = verify.tree_forward(model, cache, tree, tokens, len(prompt))
         for node in range(tree.n_nodes):
             path = [n for n in range(tree.n_nodes) if tree.ancestor_mask[node, n]]
@@ -160,12 +162,12 @@ def test_cache_after_commit_equals_recompute(model, prompts):
         tokens = torch.randint(0, 48, (tree.n_nodes,))
         with torch.inference_mode():
             cache = eng.new_cache()
-            verify.forward(model, cache, torch.tensor([prompt]), torch.arange(len(prompt))[None], None)
+            forward.forward(model, cache, torch.tensor([prompt]), torch.arange(len(prompt))[None], None)
             verify.tree_forward(model, cache, tree, tokens, len(prompt))
             kv.commit(cache, len(prompt), accepted, tree.n_nodes)
             fresh = eng.new_cache()
             seq = prompt + tokens[accepted].tolist()
-            verify.forward(model, fresh, torch.tensor([seq]), torch.arange(len(seq))[None], None)
+            forward.forward(model, fresh, torch.tensor([seq]), torch.arange(len(seq))[None], None)
         assert cache.get_seq_length() == len(seq)
         for a, b in zip(cache.layers, fresh.layers):
             torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
@@ -217,7 +219,7 @@ def sampling_setup():
 
 def _sample_counts(m, heads, tree, prompt, n, **gen):
     eng = Engine(m)
-    strategy = Strategy("s", TopologyBank.of(tree), StaticPolicy(0), heads)
+    strategy = Strategy("s", (tree,), StaticPolicy(0), heads)
     counts, multi = {}, 0
     for seed in range(n):
         res = collect(eng.generate(prompt, strategy, GenerationConfig(max_new_tokens=3, temperature=1.0, seed=seed, **gen)))
@@ -248,7 +250,7 @@ def test_typical_acceptance_fails_the_same_test(sampling_setup):
 
 def test_bad_requests_are_refused(model):
     eng = Engine(model)
-    st = Strategy("ar", TopologyBank.of(compile_tree([])), StaticPolicy(0))
+    st = Strategy("ar", (compile_tree([]),), StaticPolicy(0))
     with pytest.raises(GenerationError, match="empty"):
         eng.generate([], st)
     with pytest.raises(GenerationError, match="positive"):
@@ -258,4 +260,4 @@ def test_bad_requests_are_refused(model):
     with pytest.raises(GenerationError, match="context"):
         eng.generate([1] * 300, st)
     with pytest.raises(ValueError, match="needs 4 heads"):
-        Strategy("x", TopologyBank.of(NAMED["mc_sim_7b_63"]), StaticPolicy(0), random_heads(model, num_heads=3))
+        Strategy("x", (NAMED["mc_sim_7b_63"],), StaticPolicy(0), random_heads(model, num_heads=3))

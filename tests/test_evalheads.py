@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from entmtp.bank import TopologyBank
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import BASELINE_TREE, TREES_FILE, GenerationConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.evalheads import accepted_on, bootstrap_ci, continuations
-from entmtp.policy import StaticPolicy
-from entmtp.topology import compile_tree, load_named_trees
-from entmtp.answers import AnswerStore
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.tools.evalheads import accepted_on, bootstrap_ci, continuations
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import compile_tree, load_named_trees
+from entmtp.data.answers import AnswerStore
 from conftest import random_heads, tiny_llama
 
 
@@ -40,10 +40,10 @@ def test_trace_acceptance_equals_a_real_decode_with_the_default_tree(tmp_path, k
     assert AnswerStore(tmp_path / "eval.jsonl.gz", "tiny").answers == store.answers and len(store.answers) == 5
     tokens, steps = accepted_on(rt, kind, prompts, conts)
     gen = GenerationConfig(max_new_tokens=40)
-    tree = TopologyBank.of(load_named_trees(TREES_FILE)[BASELINE_TREE])
+    tree = (load_named_trees(TREES_FILE)[BASELINE_TREE],)
     accepted = []
     for p, c, t, s in zip(prompts, conts, tokens, steps):
-        ar = collect(rt.engine.generate(p, Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0)), gen))
+        ar = collect(rt.engine.generate(p, Strategy("ar", (compile_tree([], "ar"),), StaticPolicy(0)), gen))
         real = collect(rt.engine.generate(p, Strategy(kind, tree, StaticPolicy(0), heads), gen))
         assert list(ar.token_ids) == c == list(real.token_ids)
         assert (t, s) == (real.new_tokens, len(real.steps))
@@ -53,14 +53,15 @@ def test_trace_acceptance_equals_a_real_decode_with_the_default_tree(tmp_path, k
 
 def test_bank_traces_reuse_stored_continuations(tmp_path, monkeypatch):
     """build-bank's traces read the greedy continuations from the answer store once they are there."""
-    from entmtp import traces as tr
+    from entmtp.bank import record as rec
+    from entmtp.bank import traces as tr
 
     model = tiny_llama(seed=5, vocab=12)
     heads = random_heads(model, "hydra")
     engine = Engine(model)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     store = AnswerStore(tmp_path / "a.jsonl.gz", "tiny")
-    first = tr.record_all(engine, heads, prompts, 30, 4, answers=store)
+    first = rec.record_all(engine, heads, prompts, 30, 4, answers=store)
     monkeypatch.setattr(tr, "greedy", lambda *a: pytest.fail("decoded although the continuation was stored"))
-    again = tr.record_all(engine, heads, prompts, 30, 4, answers=AnswerStore(tmp_path / "a.jsonl.gz", "tiny"))
+    again = rec.record_all(engine, heads, prompts, 30, 4, answers=AnswerStore(tmp_path / "a.jsonl.gz", "tiny"))
     assert [t.to_json() for t in again] == [t.to_json() for t in first]

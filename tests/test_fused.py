@@ -7,22 +7,25 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from entmtp import decoder, kernels, quant
-from entmtp.bank import TopologyBank
+from entmtp.model import decoder
+from entmtp.model import kernels, serve
+from entmtp.model import ext
+from entmtp.model import gguf as quant
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import GenerationConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import StaticPolicy
-from entmtp.topology import chain, compile_tree
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import chain_paths, compile_tree
 from conftest import random_heads, reference, tiny_config
 from test_decoder import check_steps
 from test_quant import random_blocks
 
-pytestmark = pytest.mark.skipif(quant.unavailable_reason() is not None, reason=f"GGUF kernels: {quant.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=f"GGUF kernels: {ext.unavailable_reason()}")
 
 
 def ext():
-    e = quant.extension()
-    assert e is not None, quant._state.get("error")
+    e = ext.extension()
+    assert e is not None, ext.extension_error()
     return e
 
 
@@ -75,7 +78,7 @@ def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:
         parent, _, attr = name.rpartition(".")
         setattr(modules[parent] if parent else model, attr, quant.GGUFLinear(weight, kind, qs, d, m, q8))
     kernels.use_tree_attention(model)
-    assert decoder.fuse(model) and kernels.label(model) == ("gguf-q8+fused" if q8 else "gguf-blocks+fused")
+    assert decoder.fuse(model) and serve.label(model) == ("gguf-q8+fused" if q8 else "gguf-blocks+fused")
     return model
 
 
@@ -93,11 +96,11 @@ def test_fused_engine_equals_its_generate(monkeypatch, q8):
     heads = random_heads(model)
     engine = Engine(model, [])
     gen = GenerationConfig(max_new_tokens=40)
-    trees = [compile_tree([], "ar"), compile_tree(chain(3), "c3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
+    trees = [compile_tree([], "ar"), compile_tree(chain_paths(3), "c3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
     for prompt in ([1, 5, 9, 13, 2], [7, 7, 3, 90, 41, 8, 8, 60]):
         ref = reference(model, prompt, 40)  # transformers' generate, through the fused modules
         for i, tree in enumerate(trees):
-            strategy = Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads)
+            strategy = Strategy(tree.name, trees, StaticPolicy(i), heads)
             assert collect(engine.generate(prompt, strategy, gen)).token_ids == ref, (tree.name, prompt)
     assert calls  # the engine ran the stack, not transformers
 
@@ -133,7 +136,7 @@ def test_q8_linear_is_llamacpp_arithmetic_and_batch_invariant():
 
 
 def test_stack_takes_additive_and_bool_masks_alike():
-    from entmtp import kv
+    from entmtp.model import kv
 
     model = blocked_llama(2)
     tree = compile_tree([[0], [1], [0, 0], [1, 0]], "t5")
@@ -144,20 +147,21 @@ def test_stack_takes_additive_and_bool_masks_alike():
     with torch.inference_mode():
         for mask in (additive, additive == 0):
             cache = kv.new_cache(model.config)
-            decoder.forward(model, cache, ids, torch.arange(11)[None], None)
-            outs.append(decoder.forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], mask))
+            decoder.lean_forward(model, cache, ids, torch.arange(11)[None], None)
+            outs.append(decoder.lean_forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], mask))
         assert torch.equal(outs[0][1], outs[1][1])
         # a mask that hides part of the cache is not the stack's to compute: transformers' path takes it
         cache = kv.new_cache(model.config)
-        decoder.forward(model, cache, ids, torch.arange(11)[None], None)
+        decoder.lean_forward(model, cache, ids, torch.arange(11)[None], None)
         hidden_past = torch.cat([torch.full((5, 1), torch.finfo(torch.float32).min), torch.zeros(5, 10), block], 1)[None, None]
-        assert decoder.forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], hidden_past) is None
+        assert decoder.lean_forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], hidden_past) is None
 
 
 def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
     """Up to `q8_max_rows` rows a call takes Q8 inputs, each row as alone; a larger call (a prompt)
     computes in float32. A long prompt, decoding and traces all agree with `generate`."""
-    from entmtp import traces as tr
+    from entmtp.bank import record as rec
+    from entmtp.bank import traces as tr
 
     e, g = ext(), torch.Generator().manual_seed(4)
     limit = e.q8_max_rows()
@@ -171,12 +175,12 @@ def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
     trees = [compile_tree([], "ar"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
     prompt = [int(t) for t in torch.randint(1, 96, (limit + 6,), generator=g)]
     ref = reference(model, prompt, 30)
-    trace = tr.record(engine, heads, prompt, ref, 3)
+    trace = rec.record(engine, heads, prompt, ref, 3)
     for i, tree in enumerate(trees):
-        real = collect(engine.generate(prompt, Strategy(tree.name, TopologyBank.of(*trees), StaticPolicy(i), heads),
+        real = collect(engine.generate(prompt, Strategy(tree.name, trees, StaticPolicy(i), heads),
                                        GenerationConfig(max_new_tokens=30)))
         assert real.token_ids == ref, tree.name
         assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
     big = compile_tree([[i] for i in range(limit)], "too-big")  # limit + 1 nodes: its block would compute in float32
     with pytest.raises(Exception, match="use --kernels packed"):
-        engine.generate(prompt, Strategy("big", TopologyBank.of(big), StaticPolicy(0), heads))
+        engine.generate(prompt, Strategy("big", (big,), StaticPolicy(0), heads))

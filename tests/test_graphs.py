@@ -5,16 +5,19 @@ masked attention over the whole buffer, in-place commit and slot reuse must deco
 import pytest
 import torch
 
-from entmtp import graphs, verify
-from entmtp.bank import TopologyBank
+from entmtp.model import forward
+from entmtp.model import graphs
+from entmtp.spec import drafting
+from entmtp.spec import verify
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree, load_named_trees
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import chain_paths, compile_tree, load_named_trees
 from conftest import random_heads, reference, tiny_llama
 
 NAMED = load_named_trees(TREES_FILE)
-TREES = [compile_tree([], "ar"), compile_tree(chain(3), "chain3"), NAMED["mc_sim_7b_63"],
+TREES = [compile_tree([], "ar"), compile_tree(chain_paths(3), "chain3"), NAMED["mc_sim_7b_63"],
          compile_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], "small")]
 
 
@@ -23,6 +26,7 @@ def static_engine(model, monkeypatch=None) -> Engine:
     engine = Engine(model)
     assert engine.graphs is None  # graphs are for CUDA only
     engine.graphs = graphs.Graphs(model, capture=False)
+    engine.drafts = drafting.DraftGraphs(capture=False)
     return engine
 
 
@@ -38,10 +42,10 @@ def test_static_slots_decode_as_generate(seed, vocab, monkeypatch):
     for prompt in prompts:
         ref = reference(model, prompt, 40)
         for i, tree in enumerate(TREES):
-            s = Strategy(tree.name, TopologyBank.of(*TREES), StaticPolicy(i), heads)
+            s = Strategy(tree.name, TREES, StaticPolicy(i), heads)
             out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
             assert out.token_ids == ref, (tree.name, prompt)
-        tau = Strategy("tau", TopologyBank.of(TREES[1], TREES[2]), TauPolicy(0, 1, 0.3, 0.3), heads)
+        tau = Strategy("tau", (TREES[1], TREES[2]), TauPolicy(0, 1, 0.3, 0.3), heads)
         assert collect(engine.generate(prompt, tau, GenerationConfig(max_new_tokens=40))).token_ids == ref
     assert len(engine.graphs.slots) == 1 and engine.graphs.slots[0].capacity >= 17 + 40 + 64
 
@@ -52,8 +56,8 @@ def test_side_by_side_decodes_take_their_own_slots():
     engine = static_engine(model)
     prompt = [5, 9, 2, 7]
     ref = reference(model, prompt, 30)
-    a = engine.generate(prompt, Strategy("a", TopologyBank.of(NAMED["mc_sim_7b_63"]), StaticPolicy(0), heads), GenerationConfig(max_new_tokens=30))
-    b = engine.generate(prompt, Strategy("b", TopologyBank.of(TREES[0]), StaticPolicy(0)), GenerationConfig(max_new_tokens=30))
+    a = engine.generate(prompt, Strategy("a", (NAMED["mc_sim_7b_63"],), StaticPolicy(0), heads), GenerationConfig(max_new_tokens=30))
+    b = engine.generate(prompt, Strategy("b", (TREES[0],), StaticPolicy(0)), GenerationConfig(max_new_tokens=30))
     out = {"a": [], "b": []}
     for ra, rb in zip(a, b):  # interleaved, as the app races two methods
         out["a"] += ra.tokens
@@ -69,17 +73,17 @@ def test_side_by_side_decodes_take_their_own_slots():
 def test_slot_forward_matches_transformers_logits():
     """One tree block through a slot against transformers' forward with the same 4-D mask."""
     model = tiny_llama(seed=1)
-    from entmtp import kv
+    from entmtp.model import kv
 
     tree = compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")
     prompt = torch.tensor([[3, 8, 1, 4, 4, 9, 2]])
     tokens = torch.tensor([6, 7, 11, 5, 2, 30])
     with torch.inference_mode():
         cache = kv.new_cache(model.config)
-        verify.forward(model, cache, prompt, torch.arange(7)[None], None)
+        forward.forward(model, cache, prompt, torch.arange(7)[None], None)
         h_ref, z_ref = verify.tree_forward(model, cache, tree, tokens, 7)
         slot = graphs.Graphs(model, capture=False).cache(32)
-        verify.forward(model, slot, prompt, torch.arange(7)[None], None)
+        forward.forward(model, slot, prompt, torch.arange(7)[None], None)
         h, z = verify.tree_forward(model, slot, tree, tokens, 7)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(z, z_ref, rtol=0, atol=1e-5)
@@ -90,7 +94,7 @@ def test_graphs_apply_only_on_cuda_and_can_be_turned_off(monkeypatch):
     model = tiny_llama()
     assert graphs.supported(model)
     assert graphs.Graphs.of(model) is None  # a CPU model decodes eagerly
-    monkeypatch.setenv(graphs.ENV, "0")
+    monkeypatch.setenv(graphs.CUDA_GRAPHS_ENV, "0")
     assert not graphs.enabled()
 
 
@@ -100,8 +104,9 @@ def test_a_failed_capture_leaves_the_slot_decoding_eagerly():
     heads = random_heads(model)
     engine = Engine(model)
     engine.graphs = graphs.Graphs(model, capture=True)
+    engine.drafts = drafting.DraftGraphs(capture=True)
     prompt = [4, 1, 7]
-    s = Strategy("t", TopologyBank.of(NAMED["mc_sim_7b_63"]), StaticPolicy(0), heads)
+    s = Strategy("t", (NAMED["mc_sim_7b_63"],), StaticPolicy(0), heads)
     with pytest.warns(UserWarning) as seen:
         out = collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=20)))
     said = [str(w.message) for w in seen]
@@ -109,12 +114,12 @@ def test_a_failed_capture_leaves_the_slot_decoding_eagerly():
     assert any("capture of the draft failed" in m for m in said)  # the heads' drafts'
     assert out.token_ids == reference(model, prompt, 20)
     assert not engine.graphs.slots[0].capture
-    assert not engine.graphs.drafts.capture  # the drafts' graphs fell back the same way
+    assert not engine.drafts.capture  # the drafts' graphs fell back the same way
 
 
 @pytest.mark.parametrize("kind, kw", [("hydra", {}), ("hydra", {"arch": "prefix-mlp"}), ("medusa", {})])
 def test_drafts_on_the_device_draft_what_the_eager_engine_drafts(kind, kw):
-    """`graphs.Drafts` (the chain and the expansion as one function per tree, what a CUDA graph
+    """`drafting.DraftGraphs` (the chain and the expansion as one function per tree, what a CUDA graph
     holds; run eagerly here) proposes the eager engine's tokens at every step, reads the same
     feature, and decodes exactly `generate`."""
     model = tiny_llama(seed=4, vocab=16)
@@ -126,7 +131,7 @@ def test_drafts_on_the_device_draft_what_the_eager_engine_drafts(kind, kw):
 
     def seen(depth):  # the feature's values along a decode, for thresholds that make policies switch
         never = TauPolicy(0, 0, 2.0, 2.0, "path_value", depth)
-        out = collect(plain.generate(prompt, Strategy("t", TopologyBank.of(*trees), never, heads), GenerationConfig(max_new_tokens=40)))
+        out = collect(plain.generate(prompt, Strategy("t", trees, never, heads), GenerationConfig(max_new_tokens=40)))
         return sorted(r.feature for r in out.steps)
 
     def cut(values, q):  # halfway between two seen values: float noise cannot flip a decision
@@ -138,7 +143,7 @@ def test_drafts_on_the_device_draft_what_the_eager_engine_drafts(kind, kw):
         TauPolicy(1, 3, cut(g1, 0.5), cut(g1, 0.25), "path_value", 1),
         LadderPolicy((0, 2, 3), (cut(g4, 0.33), cut(g4, 0.66)), "path_value", 0)]
     for policy in policies:
-        s = Strategy("t", TopologyBank.of(*trees), policy, heads)
+        s = Strategy("t", trees, policy, heads)
         a = collect(device_engine.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
         b = collect(plain.generate(prompt, s, GenerationConfig(max_new_tokens=40)))
         assert a.token_ids == b.token_ids == ref, policy
@@ -169,5 +174,5 @@ def test_biased_projections_decode_as_generate():
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     engine = static_engine(model)
     prompt = [3, 9, 27, 4, 11]
-    s = Strategy("t", TopologyBank.of(TREES[3]), StaticPolicy(0), random_heads(model))
+    s = Strategy("t", (TREES[3],), StaticPolicy(0), random_heads(model))
     assert collect(engine.generate(prompt, s, GenerationConfig(max_new_tokens=30))).token_ids == reference(model, prompt, 30)

@@ -23,8 +23,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entmtp.config import TREES_FILE
-from entmtp.heads import HeadsError, HeadsWarning, fetch_hub_heads, load_heads, save_heads
-from entmtp.topology import load_named_trees
+from entmtp.spec.heads import HeadsError, HeadsWarning, fetch_hub_heads, load_heads, save_heads
+from entmtp.spec.topology import load_named_trees
 from conftest import random_heads
 from test_engine import reference, run
 
@@ -574,7 +574,7 @@ def test_hub_fetch_refuses_whole_models_before_downloading_them(fake_hub):
 
 
 def test_resolve_heads_fetches_through_the_filter(fake_hub, model, tmp_path, monkeypatch):
-    from entmtp.loading import resolve_heads
+    from entmtp.runtime.runtime import resolve_heads
 
     repos, downloads = fake_hub
     d, _ = official_hydra(model, tmp_path / "snap")

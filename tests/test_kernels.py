@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entmtp import kernels
-from entmtp.bank import TopologyBank
+from entmtp.model import kernels, serve
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.policy import StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree, load_named_trees
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.policy import StaticPolicy, TauPolicy
+from entmtp.spec.topology import chain_paths, compile_tree, load_named_trees
 from conftest import random_heads, reference, tiny_llama
 
 pytestmark = pytest.mark.skipif(not kernels.available("cpu", torch.float32), reason="PyTorch without oneDNN")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not kernels.available("cpu", torch.float32), rea
 def packed_copy(model):
     m = copy.deepcopy(model)
     n = kernels.pack_linears(m)
-    assert n == sum(isinstance(x, torch.nn.Linear) for x in model.modules()) and kernels.is_packed(m)
+    assert n == sum(isinstance(x, torch.nn.Linear) for x in model.modules()) and serve.is_packed(m)
     assert kernels.use_tree_attention(m) and m.config._attn_implementation == kernels.ATTENTION
     assert model.config._attn_implementation == "sdpa"  # the untouched copy keeps stock attention
     return m
@@ -71,17 +71,17 @@ def test_packed_engine_equals_stock_generate(prompts, seed, vocab):
     """Engine on a packed copy (base and heads) vs `generate` on the untouched model."""
     stock_model = tiny_llama(seed=seed, vocab=vocab)
     model = packed_copy(stock_model)
-    trees = [compile_tree([], "ar"), compile_tree(chain(3), "c3"), load_named_trees(TREES_FILE)["mc_sim_7b_63"]]
+    trees = [compile_tree([], "ar"), compile_tree(chain_paths(3), "c3"), load_named_trees(TREES_FILE)["mc_sim_7b_63"]]
     for kind in ("hydra", "medusa"):
         heads = random_heads(model, kind).pack()
-        assert kernels.is_packed(heads)
+        assert serve.is_packed(heads)
         for prompt in prompts:
             prompt = [t % vocab for t in prompt]
             ref = reference(stock_model, prompt, 30)
             for tree in trees:
-                strategy = Strategy("t", TopologyBank.of(tree), StaticPolicy(0), heads if tree.n_nodes > 1 else None)
+                strategy = Strategy("t", (tree,), StaticPolicy(0), heads if tree.n_nodes > 1 else None)
                 assert collect(Engine(model, ()).generate(prompt, strategy, GenerationConfig(max_new_tokens=30))).token_ids == ref
-            bank = TopologyBank.of(trees[1], trees[2])
+            bank = (trees[1], trees[2])
             strategy = Strategy("tau", bank, TauPolicy(0, 1, 0.5, 0.3), heads)
             assert collect(Engine(model, ()).generate(prompt, strategy, GenerationConfig(max_new_tokens=30))).token_ids == ref
 
@@ -134,7 +134,7 @@ def test_buffered_cache_layer_matches_dynamic_layer():
     """Appends past the first capacity and crops agree with the stock layer (commits: test_engine)."""
     from transformers.cache_utils import DynamicLayer
 
-    from entmtp.kv import BufferedLayer
+    from entmtp.model.kv import BufferedLayer
 
     torch.manual_seed(0)
     ours, stock = BufferedLayer(), DynamicLayer()

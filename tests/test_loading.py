@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from entmtp import loading
+from entmtp.runtime import runtime as loading
 from entmtp.config import DEFAULT_HUB_REPO, DEFAULT_MODEL, WEIGHTS_ENV, ModelConfig
-from entmtp.loading import LoadError
+from entmtp.runtime.runtime import LoadError
 
 SNAPSHOT = hashlib.sha1(b"entmtp test snapshot").hexdigest()  # any 40-hex commit id
 

@@ -8,16 +8,18 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from entmtp import kernels, quant
+from entmtp.model import kernels, serve
+from entmtp.model import ext
+from entmtp.model import gguf as quant
 from entmtp.config import GenerationConfig, ModelConfig
-from entmtp.engine import Strategy, collect
-from entmtp.bank import TopologyBank
-from entmtp.loading import default_gguf, load_model, load_runtime
-from entmtp.policy import StaticPolicy
-from entmtp.topology import compile_tree
+from entmtp.spec.engine import Strategy, collect
+from entmtp.bank.bank import TopologyBank
+from entmtp.runtime.runtime import default_gguf, load_model, load_runtime
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import compile_tree
 from conftest import ALL_THREADS
 
-needs_kernels = pytest.mark.skipif(quant.unavailable_reason() is not None, reason=f"GGUF kernels: {quant.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=f"GGUF kernels: {ext.unavailable_reason()}")
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -89,8 +91,8 @@ def test_header_reader_agrees_with_gguf_py():
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv(quant.ENV, "0")
-    assert quant.unavailable_reason() == f"{quant.ENV}=0"
+    monkeypatch.setenv(ext.GGUF_ENV, "0")
+    assert ext.unavailable_reason() == f"{ext.GGUF_ENV}=0"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear) and m.weight is not None]  # not the fused copies
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
     assert served.model.get_output_embeddings() in layers
-    assert kernels.label(served.model) == "gguf-q8+fused" and served.fingerprint["kernels"] == "gguf-q8+fused"
+    assert serve.label(served.model) == "gguf-q8+fused" and served.fingerprint["kernels"] == "gguf-q8+fused"
     assert all(m.q8 == (m.kind == "q4_1") for m in layers)  # Q8 inputs to the projections; the Q8_0 LM head in float32
     assert served.served_differs()
 
@@ -116,7 +118,7 @@ def test_default_model_is_served_from_its_blocks(served):
 @pytest.mark.slow
 def test_float32_blocks_stay_selectable():
     model, _ = load_model(ModelConfig(kernels="packed"))
-    assert kernels.label(model) == "gguf-blocks+fused"
+    assert serve.label(model) == "gguf-blocks+fused"
     assert not any(getattr(m, "q8", False) for m in model.modules())
 
 
@@ -128,7 +130,7 @@ def test_served_model_equals_its_own_generate(served):
     gen = GenerationConfig(max_new_tokens=48)
     heads = served.heads("hydra")
     tree = compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1], [0, 0, 0, 0], [2]], "t9")
-    strategy = Strategy("t9", TopologyBank.of(tree), StaticPolicy(0), heads)
+    strategy = Strategy("t9", (tree,), StaticPolicy(0), heads)
     for prompt in ("Write a Python function that reverses a linked list.", "What is 17 * 23? Think step by step."):
         ids = served.encode(prompt)
         t = torch.tensor([ids])
@@ -141,4 +143,4 @@ def test_served_model_equals_its_own_generate(served):
 @pytest.mark.slow
 def test_onednn_kernels_stay_selectable():
     model, _ = load_model(ModelConfig(kernels="onednn"))
-    assert not quant.is_attached(model) and kernels.label(model) == "packed+lean"
+    assert not quant.is_attached(model) and serve.label(model) == "packed+lean"

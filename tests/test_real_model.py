@@ -8,14 +8,14 @@ dequantised to float32. Every task runs, math included (GSM8K ships in data/gsm8
 import pytest
 import torch
 
-from entmtp import data
-from entmtp.bank import TopologyBank
+from entmtp.data import prompts as data
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
-from entmtp.engine import Strategy, collect
-from entmtp.heads import HydraHeads, MedusaHeads, save_heads
-from entmtp.loading import bank_path, default_heads_dir, load_runtime
-from entmtp.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.topology import chain, compile_tree
+from entmtp.spec.engine import Strategy, collect
+from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.runtime.runtime import bank_path, default_heads_dir, load_runtime
+from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import chain_paths, compile_tree
 from conftest import ALL_THREADS
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,8 @@ def entmtp_strategies(rt, task):
         bank = rt.bank(task)
         per_tree = [Strategy(f"tree {t.name}", bank, StaticPolicy(i), rt.heads("hydra")) for i, t in enumerate(bank.trees)]
         return [rt.strategy(m, task) for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau")] + per_tree
-    trees = [compile_tree([], "ar"), compile_tree(chain(2), "c2"), compile_tree([[0], [1], [0, 0], [0, 0, 0]], "t4")]
-    bank = TopologyBank.of(*trees)
+    trees = [compile_tree([], "ar"), compile_tree(chain_paths(2), "c2"), compile_tree([[0], [1], [0, 0], [0, 0, 0]], "t4")]
+    bank = trees
     heads = rt.heads("hydra")
     return [
         Strategy("entmtp-static", bank, StaticPolicy(2), heads),

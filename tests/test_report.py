@@ -6,9 +6,9 @@ import json
 import pytest
 
 from test_cli import cli
-from entmtp.bench import aggregate
-from entmtp.engine import PHASES
-from entmtp.report import ReportError, render
+from entmtp.tools.bench import aggregate
+from entmtp.spec.engine import PHASES
+from entmtp.tools.report import ReportError, render
 
 TASKS = ("code", "chat")
 FIT = "AMD EPYC 7B13, 2 threads, float32, packed kernels, torch 2.13.0"  # calibrate.describe of the fit's machine
@@ -191,7 +191,7 @@ def test_gpu_checks_render_as_their_own_section(tmp_path):
     """The committed GPU checks (benchmarks/gpu/) render: the latest in full, the rest as history;
     anything else in their place is one clear error."""
     from entmtp.config import ROOT
-    from entmtp.report import gpu_section, read_gpu
+    from entmtp.tools.report import gpu_section, read_gpu
 
     files = sorted((ROOT / "benchmarks" / "gpu").glob("*.json"))
     assert files, "no GPU check committed"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from entmtp.config import TREES_FILE
-from entmtp.topology import TopologyError, chain, compile_tree, load_named_trees
+from entmtp.spec.topology import TopologyError, chain_paths, compile_tree, load_named_trees
 from conftest import random_tree
 
 
@@ -55,7 +55,7 @@ def test_compile_buffers_match_the_paths():
 
 
 def test_mask_block_is_additive_and_cached():
-    t = compile_tree(chain(3))
+    t = compile_tree(chain_paths(3))
     m = t.mask_block(torch.float32, torch.device("cpu"))
     assert m.shape == (4, 4)
     assert torch.equal(m == 0, torch.tril(torch.ones(4, 4, dtype=torch.bool)))

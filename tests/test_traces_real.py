@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from conftest import ALL_THREADS
-from entmtp import kernels, traces as tr
-from entmtp.bank import TopologyBank
-from entmtp.calibrate import _quantiles
+from entmtp.model import kernels
+from entmtp.bank import record as rec
+from entmtp.bank import traces as tr
+from entmtp.bank.bank import TopologyBank
+from entmtp.bank.fit import _quantiles
 from entmtp.config import TREES_FILE, GenerationConfig, ModelConfig
-from entmtp.data import prompts
-from entmtp.engine import Strategy, collect
-from entmtp.loading import load_runtime
-from entmtp.policy import StaticPolicy, TauPolicy
-from entmtp.topology import compile_tree, load_named_trees
+from entmtp.data.prompts import prompts
+from entmtp.spec.engine import Strategy, collect
+from entmtp.runtime.runtime import load_runtime
+from entmtp.spec.policy import StaticPolicy, TauPolicy
+from entmtp.spec.topology import compile_tree, load_named_trees
 
 pytestmark = pytest.mark.slow
 N_NEW = 48
@@ -34,11 +36,11 @@ def rollout_vs_simulation(kernels: str, task: str, n_prompts: int):
         rt = load_runtime(ModelConfig(kernels=kernels))
         heads = rt.heads("hydra")
         ids = [rt.encode(p) for p in prompts(task, "calib", n_prompts)]
-        traces = tr.record_all(rt.engine, heads, ids, N_NEW, 4)
+        traces = rec.record_all(rt.engine, heads, ids, N_NEW, 4)
         trees = [compile_tree(p, f"t{i}") for i, p in enumerate(TREES)] + [load_named_trees(TREES_FILE)["mc_sim_7b_63"]]
         rows = []
         for tree in trees:
-            st = Strategy(tree.name, TopologyBank.of(tree), StaticPolicy(0), heads if tree.max_depth else None)
+            st = Strategy(tree.name, (tree,), StaticPolicy(0), heads if tree.max_depth else None)
             real = [collect(rt.engine.generate(p, st, GenerationConfig(max_new_tokens=N_NEW))) for p in ids]
             sim = tr.simulate(tr.Tables([tree], traces), StaticPolicy(0).chooser, [t.p0 for t in traces], [1.0])
             rows.append((tree.name, sum(len(r.steps) for r in real), sim.steps, sum(r.new_tokens for r in real), sim.tokens))

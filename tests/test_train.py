@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from entmtp import data
-from entmtp.answers import AnswerStore
-from entmtp.bank import TopologyBank
+from entmtp.data import prompts as data
+from entmtp.data.answers import AnswerStore
+from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
-from entmtp.engine import Engine, Strategy, collect
-from entmtp.heads import load_heads
-from entmtp.policy import StaticPolicy
-from entmtp.topology import compile_tree, load_named_trees
-from entmtp.train import (
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.heads import load_heads
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import compile_tree, load_named_trees
+from entmtp.tools.train import (
     Corpus,
     Flat,
     TrainError,
@@ -159,8 +159,8 @@ def test_saved_heads_reload_decode_like_ar_and_accept_what_they_learned(tiny, tm
     assert getattr(heads, "arch", "mlp") == arch
     assert heads.draft_vocab.numel() == cfg.draft_vocab
     engine = Engine(tiny)
-    ar = Strategy("ar", TopologyBank.of(compile_tree([], "ar")), StaticPolicy(0))
-    bank = TopologyBank.of(load_named_trees(TREES_FILE)[BASELINE_TREE])
+    ar = Strategy("ar", (compile_tree([], "ar"),), StaticPolicy(0))
+    bank = (load_named_trees(TREES_FILE)[BASELINE_TREE],)
 
     def accepted(h, prompts, gen):
         """Tokens per step over `prompts` (root included), each output checked against `ar`."""
@@ -192,7 +192,7 @@ def test_saved_heads_reload_decode_like_ar_and_accept_what_they_learned(tiny, tm
 
 def test_growing_the_corpus_reuses_its_shards(tiny, tmp_path, monkeypatch):
     """Shards are named by their prompts; length-sorting within blocks keeps earlier batches whole."""
-    from entmtp import train
+    from entmtp.tools import train
 
     calls = []
     real = train.generate_batch
@@ -210,7 +210,7 @@ def test_growing_the_corpus_reuses_its_shards(tiny, tmp_path, monkeypatch):
 def test_stored_answers_rebuild_the_corpus_without_generating(tiny, tmp_path, monkeypatch):
     """A second machine (a new work folder) reads the stored answers back teacher-forced: same tokens,
     the same hidden states up to float rounding, and generate is never called."""
-    from entmtp import train
+    from entmtp.tools import train
 
     cfg = replace(CFG, self_prompts=(("chat", 3),), ref_prompts=(), sharegpt_code_prompts=2, answer_tokens=6, gen_batch=2)
     store_file = tmp_path / "answers.jsonl.gz"
@@ -297,7 +297,7 @@ def test_prefix_features_equal_the_engines_incremental_prefix_layer(tiny):
 def test_prefix_corpus_adds_the_prompts_states_to_existing_shards(tiny, tmp_path, monkeypatch):
     """Hydra++ needs the prompt's base states: a corpus built for mlp heads gains them in place
     (no answer generated again), and they are the states a forward over prompt + answer gives."""
-    from entmtp import train
+    from entmtp.tools import train
 
     cfg = replace(CFG, self_prompts=(("chat", 2),), ref_prompts=(("math", 1),), answer_tokens=6, gen_batch=2)
     plain = build_corpus(tiny, fake_encode, fake_encode, set(), 0, cfg, tmp_path, "train", progress=False)

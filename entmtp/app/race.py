@@ -1,0 +1,305 @@
+"""A race: EntMTP and a baseline decode the same prompt, one step each in turn, each on its own clock.
+
+The app's logic without its widgets: which models may be loaded, input validation, the two
+strategies (bank, fitted or custom policy, baseline), the sides' streamed text and stats, and
+the badge that says what was checked. `app.py` only lays out the page and wires events to this.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from entmtp.figures import plots
+from entmtp.bank.bank import TopologyBank
+from entmtp.bank.fit import ceiling_text, through_heads
+from entmtp.config import TASKS, GenerationConfig, ModelConfig
+from entmtp.spec.engine import StepRecord, Strategy
+from entmtp.runtime.runtime import LoadError, Runtime, bank_path, load_runtime
+from entmtp.spec.policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
+from entmtp.spec.topology import chain_paths, compile_tree
+
+POLICIES = {"tau": "EntMTPτ (two trees, hysteresis)", "ladder": "EntMTP-ladder (thresholds)", "static": "EntMTP* (one static tree)"}
+BASELINES = {"hydra": "Hydra (63-node default tree)", "medusa": "Medusa (63-node default tree)", "ar": "Plain decoding (AR)"}
+MAX_NEW_TOKENS = (1, 1024)
+TEMPERATURE = (0.0, 2.0)
+TAU_RANGE = (0.0, 1.0)  # every feature a policy reads lies in [0, 1]
+MAX_PROMPT_TOKENS = 2048  # a CPU prefill of more takes tens of seconds; the model allows 8192
+MAX_PROMPT_CHARS = 20_000  # refused before tokenising
+
+
+class RaceError(ValueError):
+    """A request the race refuses; `title` heads the message the page shows."""
+
+    def __init__(self, message: str, title: str = "Cannot run this race"):
+        super().__init__(message)
+        self.title = title
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    task: str
+    policy: str
+    baseline: str
+    max_new_tokens: int
+    temperature: float
+    seed: int = 0
+    tau: tuple[float, float] | None = None  # (tau_on, tau_off) for the τ policy, None: the fitted ones
+
+
+def validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed=0,
+             custom_tau=False, tau_on=None, tau_off=None) -> Request:
+    """A clean request, or a RaceError naming the bad value (the API receives raw values too)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RaceError("The prompt is empty: type a question or pick an example.", "Empty prompt")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise RaceError(f"The prompt has {len(prompt):,} characters; the demo accepts up to {MAX_PROMPT_CHARS:,}.", "Prompt too long")
+    if task not in TASKS:
+        raise RaceError(f"Unknown task {task!r}: choose one of {', '.join(TASKS)}.")
+    if policy not in POLICIES:
+        raise RaceError(f"Unknown policy {policy!r}: choose one of {', '.join(POLICIES)}.")
+    if baseline not in BASELINES:
+        raise RaceError(f"Unknown baseline {baseline!r}: choose one of {', '.join(BASELINES)}.")
+    try:
+        n, t, s = float(max_new_tokens), float(temperature), float(seed or 0)
+    except (TypeError, ValueError):
+        raise RaceError(f"max_new_tokens, temperature and seed must be numbers, got {max_new_tokens!r}, {temperature!r}, {seed!r}.") from None
+    if not (MAX_NEW_TOKENS[0] <= n <= MAX_NEW_TOKENS[1]) or n != int(n):
+        raise RaceError(f"max_new_tokens must be a whole number from {MAX_NEW_TOKENS[0]} to {MAX_NEW_TOKENS[1]}, got {max_new_tokens}.", "Out of range")
+    if not (TEMPERATURE[0] <= t <= TEMPERATURE[1]):
+        raise RaceError(f"temperature must be between {TEMPERATURE[0]} and {TEMPERATURE[1]}, got {temperature}.", "Out of range")
+    tau = None
+    if custom_tau:
+        if policy != "tau":
+            raise RaceError(f"Your τ thresholds apply to the EntMTPτ policy only; the {POLICIES[policy].split(' (')[0]} "
+                            "policy has none. Pick EntMTPτ or untick the override.", "τ override")
+        try:
+            on, off = float(tau_on), float(tau_off)
+        except (TypeError, ValueError):
+            raise RaceError(f"τ_on and τ_off must be numbers, got {tau_on!r} and {tau_off!r}.", "Out of range") from None
+        if not (TAU_RANGE[0] <= off <= TAU_RANGE[1] and TAU_RANGE[0] <= on <= TAU_RANGE[1]):
+            raise RaceError(f"τ_on and τ_off must lie in [0, 1], got {on} and {off}.", "Out of range")
+        if off > on:
+            raise RaceError(f"τ_off ({off}) must not exceed τ_on ({on}).", "Out of range")
+        tau = (on, off)
+    return Request(prompt.strip(), task, policy, baseline, int(n), t, int(s), tau)
+
+
+# -- models: an allow-list, one load per model, never blocking another model's races ------------
+
+
+class Models:
+    """Runtimes by model name, loaded once each; only names in `allowed` are ever loaded.
+
+    Each model has its own load lock, so a slow first load (a hub download) of one model does not
+    hold up races on another that is already loaded; each loaded runtime comes with its own lock
+    (`runtime_lock`), held while a race sets up on it (its heads load lazily).
+    """
+
+    def __init__(self, default: str, allowed: tuple[str, ...], hydra_heads: str | None = None,
+                 medusa_heads: str | None = None, fit_mode: str = "auto"):
+        self.default, self.allowed = default, tuple(dict.fromkeys((default, *allowed)))
+        self.heads = {"hydra": hydra_heads, "medusa": medusa_heads}
+        self.fit_mode = fit_mode
+        self._runtimes: dict[str, Runtime] = {}
+        self._runtime_locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def check(self, model: str | None) -> str:
+        name = (model or "").strip() or self.default
+        if name not in self.allowed:
+            raise RaceError(f"Model {name!r} is not offered here: this server runs {', '.join(self.allowed)}. "
+                            "(Its owner can allow more with ENTMTP_APP_MODELS.)", "Model not allowed")
+        return name
+
+    def lock(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    def get(self, model: str | None) -> Runtime:
+        name = self.check(model)
+        if name in self._runtimes:
+            return self._runtimes[name]
+        with self.lock(name):
+            if name not in self._runtimes:
+                own = name == self.default  # head paths from the environment apply to the app's own model
+                rt = load_runtime(ModelConfig(model=name), self.heads["hydra"] if own else None,
+                                  self.heads["medusa"] if own else None, fit_mode=self.fit_mode)
+                self._runtime_locks[name] = threading.Lock()
+                self._runtimes[name] = rt
+        return self._runtimes[name]
+
+    def loaded(self, model: str | None) -> Runtime | None:
+        return self._runtimes.get((model or "").strip() or self.default)
+
+    def runtime_lock(self, model: str | None) -> threading.Lock:
+        """The lock of a loaded model's runtime (`get` it first)."""
+        return self._runtime_locks[self.check(model)]
+
+
+# -- banks -------------------------------------------------------------------------------------
+
+
+def fallback_bank() -> TopologyBank:
+    """A small uncalibrated bank for when banks/<model>/<task>.json does not exist yet."""
+    specs = [("root", []), ("chain2", chain_paths(2)), ("t4", [[0], [1], [0, 0]]),
+             ("t8", [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])]
+    trees = [compile_tree(p, name) for name, p in specs]
+    policies = {"static": StaticPolicy(2), "ladder": LadderPolicy((0, 1, 2, 3), (0.3, 0.6, 0.85)),
+                "tau": TauPolicy(1, 3, 0.8, 0.5)}
+    return TopologyBank(trees, [{} for _ in trees], policies, {"fallback": True})
+
+
+def has_bank(rt: Runtime | str, task: str) -> bool:
+    """Whether a bank file exists for the task: a runtime's (in its banks folder), or a model
+    name's in the default banks folder (a model not loaded yet)."""
+    if isinstance(rt, str):
+        return bank_path(rt, task).exists()
+    return bank_path(rt.name, task, rt.banks_dir).exists()
+
+
+def bank_for(rt: Runtime, task: str, progress: Callable | None = None) -> TopologyBank:
+    """The task's bank under this machine's fit (fitted now, once, if needed); the fallback if none."""
+    if not has_bank(rt, task):
+        return fallback_bank()
+    try:
+        return rt.banks([task], progress)[task]
+    except LoadError as e:
+        raise RaceError(str(e)) from None
+
+
+def needs_fit(rt: Runtime, task: str) -> bool:
+    """True when the first race on `task` will time the bank's trees on this machine first."""
+    return has_bank(rt, task) and rt.needs_calibration(task)
+
+
+def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
+    """One truthful line on where the bank's numbers come from."""
+    if bank.meta.get("fallback"):
+        return (f"⚠️ **Built-in fallback bank** (4 small trees, thresholds not calibrated): no `{task}` bank for "
+                f"`{rt.name}` yet. Build one with `python -m entmtp build-bank --task {task}`.")
+    fit = bank.fit
+    where = "fitted to **this machine**" if rt.fitted_here(task) else "⚠️ shipped fit, measured on **another machine**"
+    degenerate = "; ".join(f"{k} {v}" for k, v in fit.get("degenerate", {}).items())
+    return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
+            f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
+            + through_heads(fit) + "."
+            + (f" Note: {degenerate}." if degenerate else "")
+            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else ""))
+
+
+def entmtp_policy(bank: TopologyBank, req: Request) -> tuple[Policy, str]:
+    """The policy the left pane runs and the label it shows."""
+    label = POLICIES[req.policy].split(" (")[0]
+    pol = bank.policy(req.policy)
+    if req.tau is None:
+        return pol, label
+    fitted = bank.policies.get("tau")
+    small, large, feature, depth = ((fitted.small, fitted.large, fitted.feature, fitted.depth) if isinstance(fitted, TauPolicy)
+                                    else (0, len(bank) - 1, "p0", 0))
+    if small == large:  # a degenerate fit: switch from its tree to the next larger tree of the front
+        front = sorted(bank.front, key=lambda i: bank.trees[i].n_nodes)
+        bigger = [i for i in front if bank.trees[i].n_nodes > bank.trees[small].n_nodes]
+        large = bigger[0] if bigger else large
+    return TauPolicy(small, large, req.tau[0], req.tau[1], feature, depth), f"{label} (your τ {req.tau[0]:.2f}/{req.tau[1]:.2f})"
+
+
+# -- one side of the race ------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """A generator of step records plus what the page shows of it."""
+
+    name: str
+    steps: Iterator[StepRecord]
+    records: list[StepRecord] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    spans: list[tuple[str, str | None]] = field(default_factory=list)  # (text, "accepted draft" or None)
+    done: bool = False
+
+    def advance(self, rt: Runtime) -> None:
+        rec = next(self.steps)
+        self.records.append(rec)
+        if rec.tokens:
+            # the root token is the model's own prediction; the rest were drafts it accepted
+            n = len(self.ids)
+            self.ids += rec.tokens
+            with_root = rt.decode(self.ids[: n + 1])
+            full = rt.decode(self.ids)
+            self.spans.append((with_root[len(self.text):], None))
+            if len(rec.tokens) > 1:
+                self.spans.append((full[len(with_root):], "accepted draft"))
+            self.text = full
+        self.done = rec.finished
+
+    @property
+    def seconds(self) -> float:
+        clock = plots.own_clock(self.records)
+        return clock[-1] if clock else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
+
+    def stats(self, other: "Side | None" = None) -> str:
+        head = f"#### {self.name}\n"
+        if not self.records:
+            return head + "*prefill…*"
+        steps = len(self.records)
+        line = f"**{self.tokens_per_s:.1f} tokens/s** · **{len(self.ids) / steps:.2f} tokens/step**"
+        if other is not None and other.tokens_per_s > 0:
+            line += f" · **{self.tokens_per_s / other.tokens_per_s:.2f}×** baseline"
+        detail = (f"{len(self.ids)} tokens in {steps} steps, {self.seconds:.2f} s "
+                  f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.records[-1].stop_reason}" if self.done else ""))
+        return f"{head}{line}  \n<small>{detail}</small>"
+
+
+def badge(ent: Side, base: Side, temperature: float) -> str:
+    """What the race checked, and only that."""
+    if not (ent.done and base.done):
+        return "<span class='badge running'>racing…</span>"
+    if temperature > 0:
+        return ("<span class='badge info'>sampling (T > 0): each side draws its own sample, so the texts may differ; "
+                "both samplers are exact (the test suite checks their distributions)</span>")
+    if ent.ids == base.ids:
+        extra = ": plain decoding is the model's own greedy output" if base.name.startswith("Plain") else ""
+        return f"<span class='badge same'>✓ identical output: {ent.name} and {base.name} emitted the same {len(ent.ids)} token ids{extra}</span>"
+    k = next((i for i, (a, b) in enumerate(zip(ent.ids, base.ids)) if a != b), min(len(ent.ids), len(base.ids)))
+    return f"<span class='badge diff'>✗ {ent.name} and {base.name} differ from token {k}</span>"
+
+
+def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -> tuple[Side, Side, Policy]:
+    """Both sides ready to step, with their kernels built off the clocks. `lock` is the runtime's
+    (`Models.runtime_lock`): races set up on one runtime one at a time."""
+    policy, label = entmtp_policy(bank, req)
+    with lock:  # heads load lazily inside the runtime
+        ent_s = Strategy(f"entmtp-{req.policy}", bank, policy, rt.heads("hydra"))
+        base_s = rt.strategy(req.baseline, req.task)
+        if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
+            # the first forward of each new shape builds kernels: keep that off both clocks
+            rt.engine.warmup([t.n_nodes for t in (*bank.trees, *base_s.trees)])
+            rt.engine.warmup_drafts(ent_s.heads, bank.trees)
+            rt.engine.warmup_drafts(base_s.heads, base_s.trees)
+    ids = rt.encode(req.prompt)
+    if len(ids) > MAX_PROMPT_TOKENS or len(ids) + req.max_new_tokens > rt.engine.max_positions:
+        raise RaceError(f"The prompt has {len(ids)} tokens; the demo takes up to {MAX_PROMPT_TOKENS} and prompt + "
+                        f"max_new_tokens must fit the model's {rt.engine.max_positions}.", "Prompt too long")
+    gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
+    ent = Side(label, rt.engine.generate(ids, ent_s, gen))
+    base = Side(BASELINES[req.baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen))
+    return ent, base, policy
+
+
+def tree_view(rt: Runtime, bank: TopologyBank, rec: StepRecord | None) -> dict[str, Any] | None:
+    """What the tree chart needs of one step (picklable, no model objects)."""
+    if rec is None:
+        return None
+    labels = [t.replace(" ", "␣").replace("\n", "↵")[:10] or "∅" for t in rt.tokenizer.batch_decode([[t] for t in rec.draft_tokens])]
+    return {"tree": bank[rec.tree_index], "accepted": rec.accepted_nodes, "labels": labels, "step": rec.step, "s": rec.feature}

@@ -1,0 +1,196 @@
+"""This machine's half of a bank (DESIGN.md, *Where the bank is fitted*): time a decode step with
+each candidate tree where the engine runs, fit the policies (`fit.fit_task`), and cache the fit
+under the machine's fingerprint (`machine.fingerprint`), so each machine measures once."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from entmtp.bank.bank import TopologyBank
+from entmtp.bank.fit import fit_task
+from entmtp.config import CalibrateConfig, GenerationConfig, Progress
+from entmtp.machine import describe_fingerprint
+from entmtp.spec import drafting
+from entmtp.spec.engine import Engine, Strategy
+from entmtp.spec.heads import DraftHeads
+from entmtp.spec.topology import Tree
+
+
+def tree_key(tree: Tree) -> str:
+    return json.dumps(tree.as_lists())
+
+
+def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
+                  progress: Progress | None = None) -> tuple[dict[str, float], float]:
+    """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
+
+    Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
+    prompt. Within a round the trees take turns in blocks (`RoundRobin`): one untimed step, then
+    `cfg.block` timed ones, so a burst of load on the machine hits every tree alike (timed a round
+    per tree, two runs on this project's 2-core AMD EPYC put the 9-node tree at 140 and 113.5 ms)
+    while each timed step follows a step of its own tree, as under a static policy or a τ
+    switching between neighbours. (Turns of single steps timed a step right after, say, a 64-node
+    one: on the AMD EPYC that made one token 9.3–11.6 ms instead of 8.8 and the 4-node tree 1.8×
+    it instead of 2.1×, and a τ switching to 4 nodes measured 5–11% under its static tree.) One
+    short untimed round first. EOS is ignored so every round takes its steps; the token values do
+    not change the cost.
+    """
+    timer = Engine(engine.model)  # no EOS: every run decodes its full budget
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    unique = list({tree_key(t): t for t in trees}.values())
+    bank = TopologyBank.of(*unique)
+    run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
+    blocks = max(1, -(-cfg.steps // cfg.block))
+    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None)
+    room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
+    context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab // 8, vocab, (context,), generator=g).tolist()
+    step_ms: dict[str, list[float]] = {tree_key(t): [] for t in unique}
+    prefill: list[float] = []
+    rounds = range(cfg.rounds + 1)
+    for r in (progress(rounds, "timing trees", len(rounds)) if progress else rounds):
+        n = (blocks * run if r else cfg.warm_steps) * len(unique)
+        records = []
+        steps = timer.generate(ids, strategy, GenerationConfig(max_new_tokens=room))
+        for rec in steps:
+            records.append(rec)
+            if len(records) == n:
+                break
+        steps.close()
+        if r:  # round 0 warms caches and allocators
+            for i, rec in enumerate(records):
+                if i % run:  # the first step of a block follows another tree
+                    step_ms[tree_key(unique[rec.tree_index])].append(rec.step_ms)
+            prefill.append(records[0].prefill_ms)
+    missing = [k for k, v in step_ms.items() if not v]
+    if missing:
+        raise ValueError(f"no room to time {len(missing)} tree(s) in the model's context of {engine.max_positions}")
+    costs = {k: statistics.median(v) for k, v in step_ms.items()}
+    return costs, statistics.median(prefill) / context
+
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """A timing device, not a user policy: trees 0, 1, ..., count-1, 0, ... whatever the feature,
+    each for `run` steps in a row."""
+
+    count: int
+    run: int = 1
+    feature: str = "p0"
+    depth: int = 0
+    name = "round-robin"
+
+    def chooser(self):
+        turn = itertools.count()
+        return lambda s: next(turn) // self.run % self.count
+
+
+@torch.inference_mode()
+def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15) -> list[float]:
+    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs)."""
+    if heads is None or depth == 0:
+        return [0.0] * (depth + 1)
+    w = heads._base["lm_head"].weight
+    feature = torch.randn(heads.hidden_size, dtype=w.dtype, device=w.device)
+    out = [0.0]
+    for d in range(1, depth + 1):
+        times = []
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            drafting.top1_chain(heads, feature, 1, d)
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times[2:]))
+    return out
+
+
+def fit_cache_file(cache_root: Path, bank: TopologyBank, fp: dict[str, Any]) -> Path:
+    key = hashlib.sha256(json.dumps([fp, bank.portable_key()], sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_root) / "fits" / f"{bank.meta.get('model', 'model')}-{bank.meta.get('task', 'task')}-{key}.json"
+
+
+def load_fit(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_fit(path: Path, fit: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(fit, indent=1))
+    tmp.replace(path)
+
+
+def calibrate(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
+              cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
+              progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+    """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
+    t0 = time.perf_counter()
+    trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
+    costs, prefill = measure_costs(engine, heads, trees, cfg, progress)
+    chain = measure_chain(heads, max(t.max_depth for t in trees))
+    measured_s = time.perf_counter() - t0
+    out = {}
+    for task, bank in banks.items():
+        t1 = time.perf_counter()
+        fit = fit_task(bank.trees, bank.traces, [costs[tree_key(t)] for t in bank.trees], prefill, cfg.grid,
+                       (baseline, costs[tree_key(baseline)]) if baseline else None, chain)
+        fit_s = time.perf_counter() - t1
+        out[task] = {
+            "hardware": describe_fingerprint(fp),
+            "fingerprint": fp,
+            "date": datetime.date.today().isoformat(),
+            "seconds": round(measured_s * len(bank.trees) / max(1, len(trees)) + fit_s, 2),
+            "context": cfg.context,
+            **fit,
+        }
+    return out
+
+
+def known_fit(bank: TopologyBank, fp: dict[str, Any], cache_root: Path, mode: str = "auto") -> dict[str, Any] | None:
+    """The fit `resolve_fits` would use without timing anything, or None when it must calibrate."""
+    if mode == "shipped" or mode == "auto" and bank.shipped_fit.get("fingerprint") == fp:
+        return bank.shipped_fit
+    return load_fit(fit_cache_file(cache_root, bank, fp)) if mode == "auto" else None
+
+
+def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any], cache_root: Path,
+                 mode: str = "auto", cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
+                 progress: Progress | None = None) -> dict[str, TopologyBank]:
+    """Each bank under the fit for this machine.
+
+    mode "shipped": the fit saved in the bank file, wherever it was measured. "auto": the file's
+    fit when it was measured on a machine with this fingerprint, else this machine's cached fit,
+    else calibrate now (once) and cache. "refit": calibrate now whatever is cached.
+    """
+    if mode not in ("auto", "shipped", "refit"):
+        raise ValueError(f"unknown fit mode {mode!r} (expected auto, shipped or refit)")
+    out, missing = {}, {}
+    for task, bank in banks.items():
+        fit = known_fit(bank, fp, cache_root, mode)
+        try:
+            out[task] = bank.with_fit(fit) if fit else None
+        except ValueError:  # a stale or damaged cache entry: measure again
+            out[task] = None
+        if out[task] is None:
+            missing[task] = bank
+    if missing:
+        for task, fit in calibrate(engine, heads, missing, fp, cfg, baseline, progress).items():
+            save_fit(fit_cache_file(cache_root, missing[task], fp), fit)
+            out[task] = missing[task].with_fit(fit)
+    return out

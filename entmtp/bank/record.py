@@ -1,0 +1,104 @@
+"""Recording acceptance traces through the engine: the base model's greedy continuation of a
+prompt (decoded, or read from the stored answers), then one teacher-forced pass that ranks every
+head's true token at every position (`traces.Trace`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from entmtp.config import GenerationConfig, Progress
+from entmtp.model import forward
+from entmtp.spec.engine import Strategy, collect
+from entmtp.spec.heads import DraftHeads, head_features
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import compile_tree
+from entmtp.bank.traces import WIDTH, Trace
+
+
+@torch.inference_mode()
+def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int], depth: int, width: int = WIDTH) -> Trace:
+    """The trace of `continuation` (the greedy output for `prompt`), for heads 0..depth-1.
+
+    One teacher-forced forward gives the base states at every position; each head then runs once,
+    batched over the positions.
+    """
+    model, device = engine.model, engine.device
+    n = len(continuation)
+    seq = torch.tensor([prompt + continuation[:-1]], device=device)  # the last token is never a feature
+    # the prompt in one forward, as the engine reads it; then the continuation in blocks no larger
+    # than a step may verify, so each token gets the arithmetic it gets when decoded (`gguf.block_limit`)
+    L, cache, block = len(prompt), engine.new_cache(), engine.max_block or seq.shape[1]
+    outs = [forward.forward(model, cache, seq[:, a:b], torch.arange(a, b, device=device)[None], None)
+            for a, b in [(0, L)] + [(i, min(i + block, seq.shape[1])) for i in range(L, seq.shape[1], block)]]
+    hidden, logits = torch.cat([h for h, _ in outs]), torch.cat([z for _, z in outs])
+    feats = head_features(heads, hidden)[L - 1 :]  # (N, H): feature at the last committed token of each step
+    logp = torch.log_softmax(logits[L - 1 :].float(), -1)  # (N, V)
+    probs = logp.exp()
+    p0 = probs.max(-1).values
+    entropy = torch.nan_to_num(-(probs * logp).sum(-1))
+
+    cont = torch.tensor(continuation, device=device)
+    inverse = _draft_index(heads, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
+    ranks = torch.full((n, depth), -1, dtype=torch.long)
+    chain = torch.zeros((n, depth))
+    top_path = cont[:, None]  # (N, 1): roots; the heads' own top-1 chain grows from here
+    for d in range(depth):
+        rows = torch.arange(max(0, n - d - 1), device=device)  # positions whose target c[i+d+1] exists
+        if len(rows):
+            paths = torch.stack([cont[rows + j] for j in range(d + 1)], dim=1)  # (R, d+1) true path
+            z = heads.head_logits(d, feats[rows], paths).float()  # (R, K)
+            target = inverse[cont[rows + d + 1]]  # (R,) index in the draft vocabulary, -1 if absent
+            tz = z.gather(1, target.clamp(min=0)[:, None])
+            r = (z > tz).sum(-1)
+            ranks[: len(rows), d] = torch.where((target >= 0) & (r < width), r, torch.full_like(r, -1)).cpu()
+        z = heads.head_logits(d, feats, top_path).float()  # (N, K) along the heads' own chain
+        p, idx = torch.softmax(z, -1).max(-1)
+        chain[:, d] = p.cpu()
+        top_path = torch.cat([top_path, heads.to_token_ids(idx)[:, None]], dim=1)
+    return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
+
+
+def _draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:
+    """(V,) token id -> index in the heads' draft vocabulary, -1 where absent."""
+    dv = heads.draft_vocab
+    if not dv.numel():
+        return torch.arange(vocab, device=dv.device)
+    inv = torch.full((vocab,), -1, dtype=torch.long, device=dv.device)
+    inv[dv] = torch.arange(len(dv), device=dv.device)
+    return inv
+
+
+def greedy_continuation(engine, heads: DraftHeads, prompt: list[int], new_tokens: int) -> list[int]:
+    """The base model's greedy continuation, through the engine with a small tree (faster than `ar`)."""
+    strategy = Strategy("rollout", (compile_tree([[0], [1], [0, 0], [0, 0, 0]], "rollout"),), StaticPolicy(0), heads)
+    return list(collect(engine.generate(prompt, strategy, GenerationConfig(max_new_tokens=new_tokens))).token_ids)
+
+
+def stored_greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int, answers=None, task: str = "calib") -> list[int]:
+    """`greedy_continuation`, read from `answers` (a `data.answers.AnswerStore`) when it holds the prompt, else
+    decoded and added to it."""
+    cont = answers.get(prompt, new_tokens) if answers is not None else None
+    if cont is None:
+        cont = greedy_continuation(engine, heads, prompt, new_tokens)
+        if answers is not None:
+            answers.add(task, "greedy", [prompt], [cont], new_tokens)
+    return cont
+
+
+def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
+               done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
+               progress: Progress | None = None, answers=None) -> list[Trace]:
+    """Greedy continuations (from `answers`, a `data.answers.AnswerStore`, or through the engine
+    with a small tree for speed, then stored) and their traces; resumable."""
+    out = list(done or [])
+    it = range(len(prompts))
+    for i in (progress(it, "traces", len(prompts)) if progress else it):
+        if i < len(out):
+            continue  # resumed
+        cont = stored_greedy(engine, heads, prompts[i], new_tokens, answers)
+        out.append(record(engine, heads, prompts[i], cont, depth).to_json())
+        if save:
+            save(out)
+    return [Trace.from_json(t) for t in out]

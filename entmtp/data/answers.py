@@ -1,0 +1,82 @@
+"""Stored greedy answers of the base model, by prompt: what is dear to generate, kept to reuse.
+
+Generating answers is the dearest part of a training corpus or a bank's traces (about 100 answer
+tokens/s in batches on a 2-core CPU, ~12 tokens/s one prompt at a time); reading a stored answer
+back teacher-forced costs one forward. The default model's answers to training and calibration
+prompts are kept in the repository (`data/answers/<model>.jsonl.gz`); evaluation continuations
+only in the user cache (entmtp.evalheads), so training can never meet them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+from entmtp.config import DEFAULT_MODEL, ROOT
+
+ANSWERS_DIR = ROOT / "data" / "answers"
+
+
+def repo_store(model: str, arithmetic: str = "") -> "AnswerStore | None":
+    """The repository's store for the default model; None for other models. `arithmetic` ("" for
+    float32, "+q8/64" for Q8 inputs: `Runtime.arithmetic`) keys the answers apart, since greedy
+    answers part between the two after a few dozen tokens."""
+    return AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", model + arithmetic) if model == DEFAULT_MODEL else None
+
+
+class AnswerStore:
+    """The base model's greedy answers as token ids, by prompt, in one gzip JSONL file.
+
+    A line is `{"key", "task", "source", "tokens"}`;
+    the key hashes the model's name, the prompt's token ids and the answer length cap. Each batch
+    appends one gzip member, so an interrupted run loses at most the batch in flight.
+    """
+
+    def __init__(self, path: Path | None, model: str):
+        self.path, self.model = path, model
+        self.rows: dict[str, dict] = {}
+        if path is not None and path.exists():
+            try:
+                with gzip.open(path, "rt", encoding="utf-8") as f:
+                    for line in f:
+                        if line.strip():
+                            row = json.loads(line)
+                            self.rows[row["key"]] = row
+            except (EOFError, OSError, json.JSONDecodeError):  # a member cut by an interruption
+                self._rewrite()  # keep the answers before the cut, so later appends stay readable
+
+    @property
+    def answers(self) -> dict[str, list[int]]:
+        return {k: r["tokens"] for k, r in self.rows.items()}
+
+    def key(self, prompt: list[int], answer_tokens: int) -> str:
+        text = f"{self.model}|{answer_tokens}|" + ",".join(map(str, prompt))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def get(self, prompt: list[int], answer_tokens: int) -> list[int] | None:
+        row = self.rows.get(self.key(prompt, answer_tokens))
+        return None if row is None else list(row["tokens"])
+
+    def add(self, task: str, source: str, prompts: list[list[int]], answers: list[list[int]], answer_tokens: int) -> None:
+        new = []
+        for p, a in zip(prompts, answers):
+            k = self.key(p, answer_tokens)
+            if k not in self.rows:
+                self.rows[k] = {"key": k, "task": task, "source": source, "tokens": list(a)}
+                new.append(self.rows[k])
+        if new and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(self.path, "at", encoding="utf-8") as f:
+                f.write(_lines(new))
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            f.write(_lines(self.rows.values()))
+        tmp.replace(self.path)
+
+
+def _lines(rows) -> str:
+    return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)

@@ -1,0 +1,234 @@
+"""Linear layers computed straight from a GGUF file's Q4_1 and Q8_0 blocks, on CPUs with AVX2.
+
+The default model comes as a Q4_1 GGUF (its embedding and tied LM head in Q8_0) and runs as the
+float32 model those blocks dequantise to. A decode step on a CPU is bound by reading the weights:
+float32 is 540 MB a step, the blocks are 96 MB. `GGUFLinear` keeps the blocks and computes with
+a small C++ kernel (`csrc/gguf_linear.cpp`, built once per machine with the system's C++ compiler
+through `torch.utils.cpp_extension`): each weight row is dequantised into a float32 buffer,
+exactly the values of the float32 model (`attach` checks every matrix against the model's own
+weights, bit for bit), and dotted with each input row in float32.
+
+Every output element is summed in one fixed order, however many rows share the call and whichever
+thread computes it, so a row's result never depends on its batch: a tree verification of N tokens
+computes exactly what N single-token steps compute, and `generate` on the same module is the
+oracle the engine matches. Against stock `F.linear` on the same weights the results differ by
+float32 rounding (~1e-5 on SmolLM2's layers), as oneDNN's do.
+
+By default (`--kernels q8`, `GGUFLinear.q8`) the Q4_1 layers compute as llama.cpp does instead:
+each input row quantised per block of 32 to int8 with a scale, 4-bit by 8-bit products summed
+exactly in integers (`q4_1_linear_q8`); still per row and in a fixed order, so batch-invariant,
+and about 1.4x faster on one row here, since no weight is turned into a float. The served model
+is then that arithmetic (~0.5% from the float32 product per layer on random inputs).
+
+Measured on the 2-core AMD EPYC (no AVX-512), all 210 linears plus the LM head, median ms per
+call by input rows, against oneDNN's prepacked float32 (`kernels.PackedLinear`):
+1 row 15-17 vs 52, 4 rows 24-27 vs 65, 9 rows 45-48 vs 75, 17 rows 70-75 vs 94.
+
+`ENTMTP_GGUF_KERNELS=0` (`ext.GGUF_ENV`) turns it off (oneDNN's packed float32 then serves, as on CPUs without
+AVX2 or where the build fails: the loader says why on stderr).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from entmtp.model import kernels
+from entmtp.model.ext import extension, extension_error
+
+_BLOCK = 32
+MAX_IN = 2048  # the kernels' per-thread buffer holds 4 weight rows of at most this many inputs
+
+class GGUFLinear(nn.Module):
+    """A bias-free linear layer whose weight is kept as GGUF blocks (Q4_1 or Q8_0) for the CPU
+    kernels; it shares the float32 Parameter it replaces, which `kernels.stock_kernels()` (the
+    `hf` baselines) and training use."""
+
+    def __init__(self, weight: nn.Parameter | None, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                 q8: bool = False):
+        super().__init__()
+        self.out_features, self.in_features = d.shape[0], d.shape[1] * _BLOCK
+        self.weight = weight  # None for `concat`: only the engine's own forward calls those
+        self.bias = None
+        self.kind = kind
+        self.q8 = q8 and kind == "q4_1"  # inputs quantised to Q8 blocks (llama.cpp's arithmetic); Q8_0 stays float32
+        self.register_buffer("qs", qs, persistent=False)
+        self.register_buffer("d", d, persistent=False)
+        self.register_buffer("m", m, persistent=False)
+        self._ext = extension()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight)
+        if self.kind == "q4_1":
+            return (self._ext.q4_1_linear_q8 if self.q8 else self._ext.q4_1_linear)(x, self.qs, self.d, self.m)
+        return self._ext.q8_0_linear(x, self.qs, self.d)
+
+    @classmethod
+    def concat(cls, layers: list["GGUFLinear"]) -> "GGUFLinear":
+        """One layer for several of one kind over the same input, their outputs side by side. The
+        kernels sum each output alone, so its outputs are the parts' outputs bit for bit."""
+        cat = lambda name: torch.cat([getattr(layer, name) for layer in layers]).contiguous()
+        assert len({layer.q8 for layer in layers}) == 1, "concat: the layers must share one arithmetic"
+        return cls(None, layers[0].kind, cat("qs"), cat("d"), None if layers[0].m is None else cat("m"), layers[0].q8)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {self.kind} blocks{', q8 inputs' if self.q8 else ''}"
+
+
+def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF rows of blocks -> (values, scale d, minimum m) as the kernels read them. A Q4_1 block is
+    fp16 d, fp16 m and 16 bytes of nibbles; a Q8_0 block is fp16 d and 32 int8 values."""
+    rows = raw.shape[0]
+    size = 20 if kind == "q4_1" else 34
+    b = np.ascontiguousarray(raw).reshape(rows, -1, size)
+    half = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32))  # exact
+    if kind == "q4_1":
+        return torch.from_numpy(b[:, :, 4:].reshape(rows, -1).copy()), half(b[:, :, 0:2]), half(b[:, :, 2:4])
+    return torch.from_numpy(b[:, :, 2:].reshape(rows, -1).copy().view(np.int8)), half(b[:, :, 0:2]), None
+
+
+def _dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The float32 weights the blocks stand for, rounded as gguf-py computes them (d * q, then + m)."""
+    if m is None:
+        return (d[:, :, None] * qs.view(d.shape[0], d.shape[1], _BLOCK).float()).reshape(d.shape[0], -1)
+    blocks = qs.view(d.shape[0], d.shape[1], 16)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], -1).float()  # element j: low nibble of byte j; j + 16: high
+    return (d[:, :, None] * q + m[:, :, None]).reshape(d.shape[0], -1)
+
+
+def _row_orders(rows: int, config) -> list[torch.Tensor]:
+    """Row orders to try when matching a GGUF matrix to the model's: as stored, and transformers'
+    undoing of llama.cpp's rotary permutation of q and k (per attention head or per key/value head)."""
+    orders = [torch.arange(rows)]
+    for heads in {getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", 0)}:
+        if heads and rows % (2 * heads) == 0:
+            orders.append(torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows))
+    return orders
+
+
+_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_TYPES = {3: ("q4_1", 20), 8: ("q8_0", 34)}  # GGML tensor type -> (kind, bytes per block of 32)
+
+
+def read_blocks(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
+    """{tensor name: (kind, uint8 rows of blocks)} for the Q4_1 and Q8_0 tensors of a GGUF file,
+    memory-mapped. Reads the header directly: gguf-py's reader also decodes every metadata string
+    (the tokenizer's ~100k), which takes ~9 s on a 2-core machine."""
+    import struct
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        vals = struct.unpack_from("<" + fmt, raw, pos)
+        pos += struct.calcsize("<" + fmt)
+        return vals[0] if len(vals) == 1 else vals
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(raw[pos - n:pos]).decode("utf-8", "replace")
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            n = take("Q")  # (not `pos += take(...)`: that would add to the position from before the read)
+            pos += n
+        elif vtype == 9:
+            etype, count = take("I"), take("Q")
+            if etype in _SCALAR:
+                pos += _SCALAR[etype] * count
+            else:
+                for _ in range(count):
+                    skip(etype)
+        else:
+            pos += _SCALAR[vtype]
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path}: not a GGUF v2+ file")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == "general.alignment" and vtype == 4:
+            alignment = take("I")
+        else:
+            skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, dims = string(), take("I")
+        shape = [take("Q") for _ in range(dims)]
+        ttype, offset = take("I"), take("Q")
+        infos.append((name, shape, ttype, offset))
+    start = (pos + alignment - 1) // alignment * alignment
+    out = {}
+    for name, shape, ttype, offset in infos:
+        if ttype in _TYPES and len(shape) == 2 and shape[0] % _BLOCK == 0:
+            kind, size = _TYPES[ttype]
+            cols, rows = shape  # GGML lists the innermost dimension first
+            nbytes = rows * cols // _BLOCK * size
+            out[name] = (kind, raw[start + offset:start + offset + nbytes].reshape(rows, -1))
+    return out
+
+
+def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[str, Any]:
+    """Replace each linear layer of `model` whose float32 weight is exactly what a Q4_1 or Q8_0
+    tensor of `gguf_path` dequantises to by a `GGUFLinear` on those blocks (`q8`: the Q4_1 layers
+    compute with their inputs quantised to Q8 blocks, as llama.cpp does; Q8_0, the LM head, stays
+    float32, which is faster here). Returns {"layers": how many, "skipped":
+    [names], "error": why none, or None}."""
+    ext = extension()
+    if ext is None:
+        return {"layers": 0, "skipped": [], "error": extension_error()}
+    modules = dict(model.named_modules())
+    tied = model.get_output_embeddings()
+    count, skipped = 0, []
+    for tname, (kind, blocks) in read_blocks(gguf_path).items():
+        if tname == "token_embd.weight":
+            name = next((n for n, mod in modules.items() if mod is tied), None)
+        else:
+            parts = tname.split(".")  # blk.<i>.<kind>.weight
+            name = f"model.layers.{parts[1]}.{_NAMES[parts[2]]}" if len(parts) == 4 and parts[2] in _NAMES else None
+        layer = modules.get(name) if name else None
+        weight = getattr(layer, "weight", None)
+        if (layer is None or getattr(layer, "bias", None) is not None or not isinstance(weight, torch.Tensor)
+                or weight.dim() != 2 or weight.shape[1] > MAX_IN or weight.dtype != torch.float32 or weight.device.type != "cpu"):
+            skipped.append(tname)
+            continue
+        qs, d, m = _split_blocks(blocks, kind)
+        values, weight = _dequantize(qs, d, m), weight.detach()
+        order = next((o for o in _row_orders(weight.shape[0], model.config)
+                      if values.shape == weight.shape and torch.equal(values[o], weight)), None)
+        if order is None:
+            skipped.append(tname)
+            continue
+        new = GGUFLinear(layer.weight, kind, qs[order].contiguous(), d[order].contiguous(), None if m is None else m[order].contiguous(), q8)
+        parent, _, attr = name.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, new)
+        count += 1
+    return {"layers": count, "skipped": skipped, "error": None}
+
+
+def block_limit(model: nn.Module) -> int | None:
+    """The most tokens one forward may verify with the arithmetic of a single token: where the Q4_1
+    layers take Q8 inputs, calls of more rows (prompts) compute in float32 (`q4_1_linear_q8`), so a
+    tree must stay within this many nodes; None where any size computes alike."""
+    if not any(isinstance(m, GGUFLinear) and m.q8 for m in model.modules()):
+        return None
+    return int(extension().q8_max_rows())
+
+
+def is_attached(model: nn.Module) -> bool:
+    return any(isinstance(m, GGUFLinear) for m in model.modules())

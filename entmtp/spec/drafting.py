@@ -1,0 +1,160 @@
+"""Expand a compiled tree with the draft heads into one candidate token per node, eagerly or as
+CUDA graphs (`DraftGraphs`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import torch
+
+from entmtp.spec.heads import DraftHeads
+from entmtp.spec.topology import Tree
+
+
+def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
+               prefix: tuple[list[torch.Tensor], list[float]] | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """Run heads 0..depth-1 along the top-1 path from the root.
+
+    Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
+    top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
+    chain from the same root and feature: its heads are not run again.
+    """
+    logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
+    path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
+    for row in logits:  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
+        idx = torch.softmax(row.float(), -1).max(-1)[1]
+        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
+    more, p = top1_logits(heads, feature, path, depth)
+    return logits + more, probs + p.tolist()
+
+
+def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The top-1 chain on the device, from `path` (1, d+1) = root and the chain's first d tokens
+    on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
+    (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it."""
+    h = feature[None]  # (1, H)
+    logits, probs = [], []
+    for d in range(path.shape[1] - 1, depth):
+        row = heads.head_logits(d, h, path)[0]  # (K,)
+        p, idx = torch.softmax(row.float(), -1).max(-1)
+        logits.append(row)
+        probs.append(p)
+        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
+    return logits, torch.stack(probs) if probs else torch.zeros(0, device=feature.device)
+
+
+def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole draft on the device: the top-1 chain through the tree's depth, then its expansion.
+    root (1,) long -> (tokens (N,), the chain's top-1 probabilities (depth,)); what
+    `DraftGraphs` captures per tree."""
+    logits, probs = top1_logits(heads, feature, root.view(1, 1), tree.max_depth)
+    return expand(tree, heads, feature, root, logits), probs
+
+
+def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int | torch.Tensor, chain: list[torch.Tensor]) -> torch.Tensor:
+    """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
+
+    Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
+    their top-k become the children (child of rank r gets the rank-r token). Node order is
+    (depth, path), so the rank-0 chain node (0, ..., 0) is the first parent when it has children;
+    its logits then come from the top-1 chain. It need not have any: in [[0], [1], [1, 0]] the only
+    parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device.
+    """
+    device = feature.device
+    tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
+    if isinstance(root, torch.Tensor):
+        tokens[:1] = root.view(1)
+    else:
+        tokens[0] = root
+    for d, plan in enumerate(tree.plans):
+        parents, children, slot = tree.plan_on(d, device)
+        if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
+            row = chain[d][None] if d < len(chain) else heads.head_logits(d, feature[None], tokens[:1, None])
+            table = heads.to_token_ids(torch.topk(row, plan.k, dim=-1).indices).expand(len(parents), -1)
+        else:
+            reuse = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
+            rows = [chain[d][None]] if reuse else []
+            paths = tree.ancestor_paths_on(d, device)[len(rows) :]  # (P', d+1)
+            if len(paths):
+                rows.append(heads.head_logits(d, feature[None].expand(len(paths), -1), tokens[paths]))
+            logits = torch.cat(rows, dim=0)  # (P, K)
+            table = heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
+        tokens[children] = table.reshape(-1)[slot]
+    return tokens
+
+
+def _is_chain_node(tree: Tree, node: int) -> bool:
+    """Whether `node` is the root or a rank-0 child of rank-0 children all the way: (0, ..., 0)."""
+    return node == 0 or not any(tree.paths[node - 1])
+
+
+class DraftGraphs:
+    """The draft heads' work of a step as CUDA graphs: per tree, the top-1 chain through its depth
+    and its expansion (`draft`); per depth, the chain alone (what a policy on the path
+    value reads before it picks a tree). Eagerly, each is a few dozen small kernels and their
+    Python a step (on an H200 about a quarter of a deep tree's step with captured verification).
+
+    Inputs (the feature, the root token) are copied into static tensors and the graph replayed;
+    outputs are cloned. Graphs are keyed by the heads and the tree's paths, captured on first use
+    or by `Engine.warmup_drafts`; a failed capture warns once and drafting stays eager.
+    `capture=False` runs the same functions eagerly (how tests check them on a CPU).
+    """
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.capture_ms: dict[str, float] = {}
+        self.pool = None
+        self.lock = threading.Lock()  # two decodes (the app's race) may capture at once
+
+    def draft(self, heads, tree, feature: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (N,), the chain's top-1 probabilities (depth,)), both on the device."""
+        return self._run(("draft", id(heads), tree.paths), lambda f, r: draft(tree, heads, f, r), feature, root, tree.name, heads)
+
+    def top1_chain(self, heads, feature: torch.Tensor, root: int, depth: int) -> tuple[list[torch.Tensor], list[float]]:
+        """`top1_chain` to `depth`: the heads' logits and top-1 probabilities."""
+
+        def fn(f, r):
+            logits, probs = top1_logits(heads, f, r.view(1, 1), depth)
+            return (torch.stack(logits) if logits else f.new_zeros(0, 0)), probs
+
+        logits, probs = self._run(("chain", id(heads), depth), fn, feature, root, f"chain{depth}", heads)
+        return list(logits.unbind(0)), probs.tolist()
+
+    def _run(self, key: tuple, fn, feature: torch.Tensor, root: int, label: str, heads):
+        if not self.capture:
+            return fn(feature, torch.full((1,), root, dtype=torch.long, device=feature.device))
+        with self.lock:
+            if key not in self.graphs:
+                try:
+                    self._capture(key, fn, feature, label, heads)
+                except Exception as e:  # drafting goes on eagerly
+                    warnings.warn(f"CUDA graph capture of the draft failed ({type(e).__name__}: {e}); drafting stays eager")
+                    self.capture = False
+                    return self._run(key, fn, feature, root, label, heads)
+            g, static, outs = self.graphs[key]
+            static["feature"].copy_(feature)
+            static["root"].fill_(root)
+            g.replay()
+            return tuple(o.clone() for o in outs)
+
+    def _capture(self, key: tuple, fn, feature: torch.Tensor, label: str, heads) -> None:
+        t0 = time.perf_counter()
+        device = feature.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # the heads stay referenced while their graph lives (the key holds their id)
+        static = {"feature": feature.detach().clone(), "root": torch.zeros(1, dtype=torch.long, device=device), "heads": heads}
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # lazy set-up (the heads' draft-vocabulary weights, cuBLAS) outside the capture
+            fn(static["feature"], static["root"])
+        torch.cuda.current_stream(device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            outs = fn(static["feature"], static["root"])
+        torch.cuda.synchronize(device)
+        self.graphs[key] = (g, static, outs)
+        self.capture_ms[label] = round((time.perf_counter() - t0) * 1e3, 1)

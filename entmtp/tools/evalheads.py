@@ -1,0 +1,105 @@
+"""`eval-heads`: held-out accuracy of each draft head, and the mean accepted length per task.
+
+Accuracy is read on self-generated answers to the calibration split (the same held-out corpus
+`train-heads` reports on), beside the training-sample accuracy the heads' provenance records.
+
+The accepted length is that of the heads' own method (`hydra` or `medusa`) on Hydra's default
+tree over the evaluation split, computed exactly from acceptance traces (entmtp.traces): at
+temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
+along it, position by position (tests check trace simulation against real rollouts). The
+greedy continuations depend on the base model only, so they are kept in the user cache
+(`<cache>/eval-answers/<model>.jsonl.gz`, never read by training) and a second evaluation, of
+new heads say, costs one teacher-forced forward per prompt. Each task's figure comes with a 95%
+bootstrap interval over prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from entmtp.config import BASELINE_TREE, TREES_FILE, TrainConfig
+
+BOOTSTRAP = 2000  # resamples of the prompts for the interval
+
+
+def bootstrap_ci(tokens: list[int], steps: list[int], reps: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of sum(tokens)/sum(steps) when prompts are resampled with replacement."""
+    if not tokens:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    n, values = len(tokens), []
+    for _ in range(reps):
+        pick = [rng.randrange(n) for _ in range(n)]
+        values.append(sum(tokens[i] for i in pick) / max(1, sum(steps[i] for i in pick)))
+    values.sort()
+    return (values[int(0.025 * reps)], values[min(reps - 1, int(0.975 * reps))])
+
+
+def continuations(rt, heads, prompts: list[list[int]], new_tokens: int, store, progress: Callable | None = None) -> list[list[int]]:
+    """The base model's greedy continuation of each prompt, from `store` or decoded (and stored)."""
+    from entmtp.bank.record import stored_greedy
+
+    it = range(len(prompts))
+    return [stored_greedy(rt.engine, heads, prompts[i], new_tokens, store, "eval")
+            for i in (progress(it, "greedy continuations", len(prompts)) if progress else it)]
+
+
+def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per prompt (tokens, steps) of `kind`'s heads on Hydra's default tree, from exact traces."""
+    from entmtp.spec.topology import load_named_trees
+    from entmtp.bank.record import record
+    from entmtp.bank.traces import decode_with
+
+    tree = load_named_trees(TREES_FILE)[BASELINE_TREE]
+    heads = rt.heads(kind)
+    pairs = [decode_with(tree, record(rt.engine, heads, p, c, tree.max_depth)) for p, c in zip(prompts, conts)]
+    return [t for t, _ in pairs], [s for _, s in pairs]
+
+
+def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tokens: int, work: Path, cache_root: Path,
+             log: Callable[[str], None] | None = None, progress: Callable | None = None) -> dict[str, Any]:
+    """Evaluate the runtime's heads of each kind; `log` receives the human-readable lines.
+
+    Returns {"heldout": {kind: per-head accuracy}, "train_sample": {kind: per-head accuracy or None},
+    "accepted": {kind: {task: row}}, "max_new_tokens"}.
+    """
+    log = log or (lambda line: print(line, flush=True))
+    from entmtp.data.prompts import eval_prompt_file
+    from entmtp.runtime.runtime import eos_ids
+    from entmtp.data.answers import AnswerStore, repo_store
+    from entmtp.tools.train import build_corpus, head_accuracy
+
+    tok = rt.tokenizer
+    eos = set(eos_ids(rt.model, tok))
+    end = min(eos) if eos else 0
+    prefix = any(getattr(rt.heads(k), "arch", "mlp") == "prefix-mlp" for k in kinds)  # Hydra++ reads the prompts' states too
+    heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
+                           end, TrainConfig(arch="prefix-mlp" if prefix else "mlp"), work, "calib", progress is not None,
+                           repo_store(rt.name))
+    store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+    items = {task: [rt.encode(it["prompt"]) for it in eval_prompt_file(task, n)] for task, n in prompts_per_task.items()}
+    conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}
+    report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "max_new_tokens": max_new_tokens,
+                              "tree": BASELINE_TREE, "method": "exact trace simulation at temperature 0"}
+    for kind in kinds:
+        heads = rt.heads(kind)
+        acc = head_accuracy(heads, heldout)
+        seen = (heads.provenance.get("train_sample") or {}).get("per_head")
+        report["heldout"][kind], report["train_sample"][kind] = acc, seen
+        log(f"{kind} heads ({heads.provenance.get('sha256', '?')}), held-out calib answers, per head"
+            + (" (beside: training answers, from the heads' provenance)" if seen else "") + ":")
+        for i, h in enumerate(acc):
+            beside = f"   training top-1 {seen[i]['top1']:.3f}" if seen and i < len(seen) else ""
+            log(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']}){beside}")
+        report["accepted"][kind] = {}
+        for task, prompts in items.items():
+            tokens, steps = accepted_on(rt, kind, prompts, conts[task])
+            lo, hi = bootstrap_ci(tokens, steps)
+            row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
+                   "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
+            report["accepted"][kind][task] = row
+            log(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
+                f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
+    return report

@@ -1,0 +1,134 @@
+"""`python -m entmtp kernels`: the served CPU kernels against stock, per tree size, beside what
+this machine can hardly beat (streaming the weights once; one multiply-add per weight and row)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from entmtp.model import decoder, forward, kv
+from entmtp.model.gguf import GGUFLinear
+from entmtp.model.kernels import PackedLinear, stock_kernels
+from entmtp.spec import verify
+from entmtp.spec.topology import chain_paths, compile_tree
+
+@torch.inference_mode()
+def compare(model: nn.Module, sizes: tuple[int, ...], context: int, reps: int, warmup: int = 2) -> dict:
+    """Median ms, packed and stock, of one tree verification (a tree of n nodes over `context`
+    cached tokens, LM head included: the verify phase of a decode step) and of the LM head alone
+    (the largest linear) on n rows, per n in `sizes`. `model` is a CPU model loaded with packed
+    kernels; its stock figures run the same weights under `stock_kernels()`, which computes what
+    `--kernels stock` does. Sizes and kernels are interleaved per round, the kernels' order
+    alternating, so drift of the machine hits both alike."""
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape
+    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    context = max(1, min(context, limit - max(sizes) - 1))
+    g = torch.Generator().manual_seed(0)
+    cache = kv.new_cache(model.config)
+    forward.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    linears = {"packed": _linears(model, as_served=True), "stock": _linears(model)}
+    inputs = {n: {f: torch.randn(n, f, generator=g, dtype=head.weight.dtype) for f in {m.in_features for m in linears["stock"]}}
+              for n in sizes}
+    trees = {n: compile_tree(chain_paths(n - 1), f"chain{n}") for n in sizes}
+    tokens = {n: torch.randint(vocab // 8, vocab, (n,), generator=g) for n in sizes}
+    rows = {n: torch.randn(1, n, hidden, generator=g, dtype=head.weight.dtype) for n in sizes}
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for r in range(warmup + reps):
+        for n in sizes:
+            for kind in ("packed", "stock")[:: 1 if r % 2 else -1]:
+                with stock_kernels() if kind == "stock" else nullcontext():
+                    t0 = time.perf_counter()
+                    verify.tree_forward(model, cache, trees[n], tokens[n], context)
+                    t1 = time.perf_counter()
+                    forward.commit(cache, context, [], n)  # drop the block: every verification sees the same context
+                    t2 = time.perf_counter()
+                    head(rows[n])
+                    t3 = time.perf_counter()
+                    for m in linears[kind]:
+                        m.forward(inputs[n][m.in_features])  # the layers' own work, without module-call overhead
+                    t4 = time.perf_counter()
+                if r >= warmup:
+                    times.setdefault(("verify_ms", kind, n), []).append((t1 - t0) * 1e3)
+                    times.setdefault(("lm_head_ms", kind, n), []).append((t3 - t2) * 1e3)
+                    times.setdefault(("linears_ms", kind, n), []).append((t4 - t3) * 1e3)
+    med = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    return {"context": context, "reps": reps, "floor": floors(linears["packed"]), "rows": [
+        {"nodes": n, **{what: {kind: med[(what, kind, n)] for kind in ("packed", "stock")}
+                        for what in ("verify_ms", "lm_head_ms", "linears_ms")}}
+        for n in sizes]}
+
+
+def _linears(model: nn.Module, as_served: bool = False) -> list[nn.Module]:
+    """The model's linear layers, each once (LM head included); `as_served`: as the engine calls
+    them, so for a fused model (`decoder.fuse`) q/k/v and gate/up as one layer each."""
+    if as_served and decoder.fused(model):
+        out = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [GGUFLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj, mlp.gate_up.layer, mlp.down_proj]
+        return out + [model.get_output_embeddings()]
+    kinds = (nn.Linear, PackedLinear, GGUFLinear)
+    return [m for m in model.modules() if isinstance(m, kinds) and getattr(m, "weight", None) is not None]
+
+
+def _bytes_read(m: nn.Module) -> int:
+    """Bytes one call streams of a layer's weights, in the form the served kernel reads them."""
+    if isinstance(m, GGUFLinear):
+        return sum(t.numel() * t.element_size() for t in (m.qs, m.d, m.m) if t is not None)
+    return m.weight.numel() * m.weight.element_size()
+
+
+@torch.inference_mode()
+def floors(linears: list[nn.Module], reps: int = 5) -> dict:
+    """What a verification can hardly beat on this machine, measured here: streaming the served
+    weights once at the memory bandwidth a 256 MB float32 sum reaches, and one multiply-add per
+    weight and row at the rate a 2048^3 float32 matrix product reaches (PyTorch's own GEMM, all
+    threads; a practical ceiling rather than a hard one)."""
+    big = torch.ones(64 * 1024 * 1024)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    sums, mms = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        big.sum()
+        t1 = time.perf_counter()
+        torch.mm(a, b)
+        t2 = time.perf_counter()
+        sums.append(t1 - t0)
+        mms.append(t2 - t1)
+    bandwidth = big.numel() * 4 / statistics.median(sums) / 1e9
+    gfma = 2048 ** 3 / statistics.median(mms) / 1e9
+    weights_mb = sum(_bytes_read(m) for m in linears) / 1e6
+    macs = sum(m.in_features * m.out_features for m in linears)
+    return {"weights_mb": round(weights_mb, 1), "bandwidth_gbs": round(bandwidth, 1), "memory_ms": round(weights_mb / bandwidth, 2),
+            "macs_per_row_m": round(macs / 1e6, 1), "gemm_gfma_s": round(gfma, 1), "fma_ms_per_row": round(macs / gfma / 1e6, 2)}
+
+
+def floor_ms(floor: dict, nodes: int) -> float:
+    """The larger of the two floors for a verification of `nodes` rows."""
+    return max(floor["memory_ms"], nodes * floor["fma_ms_per_row"])
+
+
+def compare_table(result: dict) -> str:
+    """`compare`'s figures as text under a line naming the machine and the weights: per tree size,
+    packed and stock ms and stock / packed. `result` also holds "hardware" and "weights"."""
+    head = (f"{'nodes':>5}  {'verify packed':>13} {'stock':>8} {'x':>5}  {'lm_head packed':>14} {'stock':>8} {'x':>5}  "
+            f"{'linears packed':>14} {'floor':>6}")
+    lines = [f"{result['hardware']}; {result['weights']}; {result['context']} tokens of context, "
+             f"medians of {result['reps']} (ms; x = stock / packed)", head, "-" * len(head)]
+    floor = result.get("floor")
+    for r in result["rows"]:
+        v, h, lin = r["verify_ms"], r["lm_head_ms"], r.get("linears_ms", {})
+        lines.append(f"{r['nodes']:>5}  {v['packed']:>13.2f} {v['stock']:>8.2f} {v['stock'] / v['packed']:>5.2f}  "
+                     f"{h['packed']:>14.2f} {h['stock']:>8.2f} {h['stock'] / h['packed']:>5.2f}  "
+                     f"{lin.get('packed', float('nan')):>14.2f} {floor_ms(floor, r['nodes']) if floor else float('nan'):>6.2f}")
+    if floor:
+        lines.append(f"floor = max(weights {floor['weights_mb']} MB at {floor['bandwidth_gbs']} GB/s = {floor['memory_ms']} ms, "
+                     f"nodes x {floor['macs_per_row_m']} M multiply-adds at {floor['gemm_gfma_s']} GFMA/s = "
+                     f"{floor['fma_ms_per_row']} ms per node)")
+    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """EntMTP demo: EntMTP and a baseline (Hydra, Medusa or plain decoding) race side by side.
 
 Layout and wiring only; the race itself (models, validation, strategies, sides, badge) is
-`entmtp.race`. Builds `demo` at import and keeps each user's last race in `gr.State`.
+`entmtp.app.race`. Builds `demo` at import and keeps each user's last race in `gr.State`.
 `python app.py` serves it locally (CPU, the default model, offline). Environment:
 ENTMTP_APP_MODEL (model id or path), ENTMTP_APP_MODELS (comma-separated models the Advanced box
 may load; default: only the app's model), ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (head
@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from entmtp.figures import plots
-from entmtp.bank.bank import TopologyBank
+from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for, bank_view,
+                             needs_fit, start, tree_view, validate)
 from entmtp.config import DEFAULT_MODEL, TASKS
+from entmtp.figures import plots
+from entmtp.runtime.weights import LoadError
 from entmtp.spec.engine import GenerationError
-from entmtp.runtime.runtime import LoadError, resolve_bank
-from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
-from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for,
-                         bank_note, fallback_bank, has_bank, needs_fit, start, tree_view, validate)
+from entmtp.spec.policy import TauPolicy
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
 EXAMPLES = [
@@ -65,18 +64,6 @@ class AppConfig:
 
     def registry(self) -> Models:
         return Models(self.model, self.models, self.hydra_heads, self.medusa_heads, self.fit)
-
-
-def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
-    """Slider values for the τ override: the fitted thresholds when they lie in the sliders' range [0, 1].
-
-    A degenerate fit (one tree, thresholds parked at or above 1) must not reach the sliders:
-    Gradio refuses out-of-range slider values on every race, whether or not the override is ticked.
-    """
-    pol = bank.policies.get("tau")
-    if isinstance(pol, TauPolicy) and pol.small != pol.large and 0.0 <= pol.tau_off <= pol.tau_on <= 1.0:
-        return pol.tau_on, pol.tau_off
-    return 0.8, 0.5
 
 
 def tree_plot(view: dict | None):
@@ -142,43 +129,6 @@ def show_step(views, step):
     if not views:
         return tree_plot(None)
     return tree_plot(views[max(1, min(int(step), len(views))) - 1])
-
-
-def bank_view(models: Models, task: str, model: str | None, refit: bool = False, progress=None):
-    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column.
-
-    Never times anything unless `refit`: a bank not yet fitted here shows its shipped fit, labelled so.
-    """
-    try:
-        name = models.check(model)
-        rt = models.loaded(name)
-        if rt is None or (not refit and has_bank(rt, task) and rt.needs_calibration(task)):
-            bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
-            hw = bank.fit.get("hardware", "?")
-            note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
-                    f"{bank.fit.get('date', '')}). The first race on this task fits it to this machine (or press Refit).")
-            if bank.meta.get("fallback"):
-                note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
-        else:
-            if refit and has_bank(rt, task):
-                rt.banks([task], progress, mode="refit")
-            bank = bank_for(rt, task)
-            note = bank_note(rt, task, bank)
-    except (RaceError, LoadError) as e:
-        return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
-    rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
-             "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in _policy_trees(p))]
-            for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
-    on, off = tau_defaults(bank)
-    return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
-
-
-def _policy_trees(pol) -> set[int]:
-    if isinstance(pol, StaticPolicy):
-        return {pol.tree}
-    if isinstance(pol, LadderPolicy):
-        return set(pol.trees)
-    return {pol.small, pol.large}
 
 
 HOW_IT_WORKS = """

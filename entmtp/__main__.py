@@ -188,9 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--note", default=None, help="a remark stored with the results and shown by `report`")
     add_model_args(be)
 
-    rp = sub.add_parser("report", help="render BENCHMARKS.md from committed bench results files")
-    rp.add_argument("files", nargs="*", help="bench results.json files (default: benchmarks/*.json, sorted)")
-    rp.add_argument("--out", default=None, help="Markdown file written (default: BENCHMARKS.md at the repository root)")
+    rp = sub.add_parser("report", help="regenerate BENCHMARKS.md, benchmarks/HISTORY.md and the generated blocks of "
+                                       "README.md and docs/ from the committed results")
+    rp.add_argument("files", nargs="*", help="bench results.json files: render only the benchmarks page of these "
+                                             "(default: every committed result, every generated page)")
+    rp.add_argument("--out", default=None, help="write only the benchmarks page, to this file (default: BENCHMARKS.md "
+                                                "at the repository root, with the other pages)")
 
     k = KernelBenchConfig()
     kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
@@ -267,7 +270,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _work_dir(args: argparse.Namespace) -> Path:
     from entmtp.config import ROOT
-    from entmtp.runtime.runtime import model_slug
+    from entmtp.runtime.weights import model_slug
 
     return Path(args.work) if args.work else ROOT / "checkpoints" / "heads" / model_slug(args.model)
 
@@ -277,7 +280,8 @@ def _kinds(kind: str) -> list[str]:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> None:
-    from entmtp.runtime.runtime import default_heads_dir, eos_ids, load_runtime
+    from entmtp.runtime.weights import eos_ids
+    from entmtp.runtime.runtime import default_heads_dir, load_runtime
     from entmtp.data.answers import ANSWERS_DIR, AnswerStore
     from entmtp.tools.train import train_and_save
 
@@ -335,7 +339,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
     from entmtp.tools.evalheads import evaluate
-    from entmtp.runtime.runtime import cache_root
+    from entmtp.runtime.weights import cache_root
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
@@ -413,7 +417,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from entmtp.tools.bench import bench_items, check_methods, run_bench, save, summary, table, warmup_line
+    from entmtp.tools.bench import bench_items, check_methods, results_table, run_bench, save_results, summary_json, warmup_line
 
     cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
     items = bench_items(args.prompts, args.tasks, cfg.prompts_per_task)
@@ -425,40 +429,33 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     out = run_bench(rt, items, args.methods, cfg, progress)
-    print(table(out["results"]))
-    result = summary(rt, out, items, cfg, time.perf_counter() - t0, _command(args), args.note)
+    print(results_table(out["results"]))
+    result = summary_json(rt, out, items, cfg, time.perf_counter() - t0, _command(args), args.note)
     print(warmup_line(result["warmup"]))
     if args.out:
-        save(args.out, result, out)
+        save_results(args.out, result, out)
     print(json.dumps(result))
-
-
-def _natural(path: Path) -> list:
-    """Sort key that orders run2 before run10 (numbers compared as numbers)."""
-    import re
-
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path.name)]
 
 
 def cmd_report(args: argparse.Namespace) -> None:
     from entmtp.config import ROOT
-    from entmtp.tools.report import ReportError, read_floor, read_gpu, read_run, render
+    from entmtp.tools.report import ReportError, benchmarks_page, committed, pages, read_run, render
 
-    files = [Path(f) for f in args.files] or sorted((ROOT / "benchmarks").glob("*.json"), key=_natural)
-    if not files:
-        raise UsageError(f"no results files given and none in {ROOT / 'benchmarks'}")
     try:
-        runs = [read_run(f) for f in files]
-        floors = [] if args.files else [read_floor(f) for f in sorted((ROOT / "benchmarks" / "kernels").glob("*.json"))]
-        gpu = [] if args.files else [read_gpu(f) for f in sorted((ROOT / "benchmarks" / "gpu").glob("*.json"), key=_natural)]
+        if args.files:  # the page of these runs alone, as given
+            written = {Path(args.out) if args.out else ROOT / "BENCHMARKS.md": render([read_run(Path(f)) for f in args.files])}
+        elif args.out:  # the page of the committed results, elsewhere
+            written = {Path(args.out): benchmarks_page(committed(ROOT))}
+        else:
+            written = pages(ROOT)
     except ReportError as e:
         raise UsageError(str(e)) from None
-    out = Path(args.out) if args.out else ROOT / "BENCHMARKS.md"
-    try:
-        out.write_text(render(runs, floors, gpu))
-    except OSError as e:
-        raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
-    print(out)
+    for out, text in written.items():
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+        print(out)
 
 
 def cmd_kernels(args: argparse.Namespace) -> None:
@@ -496,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     from entmtp.data.prompts import DataError
     from entmtp.spec.engine import GenerationError
     from entmtp.spec.heads import HeadsError
-    from entmtp.runtime.runtime import LoadError
+    from entmtp.runtime.weights import LoadError
     from entmtp.spec.topology import TopologyError
     from entmtp.tools.train import TrainError
 

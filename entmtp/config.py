@@ -39,11 +39,11 @@ TREES_FILE = ROOT / "entmtp" / "spec" / "trees.json"
 
 # CPU kernels for the base model's linear layers. q8: a GGUF's own Q4_1/Q8_0 blocks where the
 # weights come from one and the kernels build, with the inputs quantised to Q8 blocks as llama.cpp
-# computes them (quant.py); packed: the same blocks in float32 arithmetic (the values of the float32
-# model); both use oneDNN's prepacked float32 for the rest (kernels.py); onednn: prepacked float32
+# computes them (model/gguf.py); packed: the same blocks in float32 arithmetic (the values of the float32
+# model); both use oneDNN's prepacked float32 for the rest (model/kernels.py); onednn: prepacked float32
 # only; stock: PyTorch's F.linear, as transformers runs.
 KERNELS = ("q8", "packed", "onednn", "stock")
-# Tree verification on CUDA (graphs.py): on: one CUDA graph per tree size; compiled: the graphs'
+# Tree verification on CUDA (model/graphs.py): on: one CUDA graph per tree size; compiled: the graphs'
 # layers through torch.compile too (compiles each size once at warm-up); off: eager.
 CUDA_GRAPHS = ("on", "compiled", "off")
 

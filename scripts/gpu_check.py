@@ -14,7 +14,7 @@ is built with random weights. Needs only torch, transformers and safetensors (no
    mc_sim_7b_63 and AR), warm, synchronised around each step, at ~300 tokens of context;
    prefill per token from the first step's extra time. With CUDA graphs three ways: as served
    (verification and the heads' drafts captured), with the drafts eager, and all eager.
-3. Prediction: with those costs, the fit `calibrate` would make here (`calibrate.fit_task`: front,
+3. Prediction: with those costs, the fit `calibrate` would make here (`bank.fit.fit_task`: front,
    static / ladder / τ policies, and tokens/s of ar, hydra and each EntMTP policy by exact
    simulation of the banks' per-position acceptance traces).
 
@@ -117,7 +117,7 @@ def _ready(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
 
 
 def engine_kernels(model) -> None:
-    """What `loading.load_model` installs (packed linears on CPU, grouped tree attention)."""
+    """What `weights.load_model` installs (packed linears on CPU, grouped tree attention)."""
     kernels.pack_linears(model)
     kernels.use_tree_attention(model)
 

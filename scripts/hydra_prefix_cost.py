@@ -19,7 +19,7 @@ from entmtp.data import prompts as data
 from entmtp.bank.bank import TopologyBank
 from entmtp.config import DEFAULT_MODEL, TREES_FILE, GenerationConfig, ModelConfig, TrainConfig
 from entmtp.spec.engine import Strategy
-from entmtp.spec.heads import load_heads, save_heads
+from entmtp.spec.headfiles import load_heads, save_heads
 from entmtp.runtime.runtime import default_heads_dir, load_runtime, resolve_heads
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import load_named_trees

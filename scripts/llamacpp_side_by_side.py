@@ -30,7 +30,7 @@ def write_prompts(path: str, per_task: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from entmtp.data import prompts as data
     from entmtp.config import TASKS
-    from entmtp.runtime.runtime import default_gguf
+    from entmtp.runtime.weights import default_gguf
 
     with open(path, "w") as f:
         for task in TASKS:

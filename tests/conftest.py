@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
-from entmtp.runtime.runtime import default_gguf
+from entmtp.spec.heads import HydraHeads, MedusaHeads
+
+from entmtp.spec.headfiles import save_heads
+from entmtp.runtime.weights import default_gguf
 
 VOCAB = 48
 ALL_THREADS = torch.get_num_threads()

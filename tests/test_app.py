@@ -14,8 +14,10 @@ from gradio_client.exceptions import AppError
 
 from entmtp.config import DEFAULT_MODEL, ROOT, GenerationConfig
 from entmtp.spec.engine import collect
-from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.spec.heads import HydraHeads, MedusaHeads
+from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import default_heads_dir
+from entmtp.app import race
 from conftest import ALL_THREADS
 
 pytestmark = pytest.mark.slow
@@ -184,7 +186,7 @@ def test_disallowed_model_is_refused_without_loading(served):
 
 def test_a_slow_model_load_blocks_no_other_race(served, ar_text, monkeypatch):
     """While one user's model loads (a long hub download, say), a race on a loaded model goes on."""
-    import entmtp.race as race
+
 
     started, release = __import__("threading").Event(), __import__("threading").Event()
 
@@ -213,7 +215,7 @@ def test_still_serves_after_errors(served, ar_text):
 
 
 def test_fallback_bank_is_flagged(served, monkeypatch, tmp_path):
-    import entmtp.race as race
+
 
     _, models, _ = served
     rt = models.get(None)
@@ -227,7 +229,7 @@ def test_bank_view_says_where_its_numbers_come_from(served):
     app, models, _ = served
     rt = models.get(None)
     for task in ("code", "math", "chat"):
-        note, fig, rows, on, off = app.bank_view(models, task, None)
+        note, fig, rows, on, off = race.bank_view(models, task, None)
         bank = rt.bank(task)
         assert bank.fit["hardware"] in note
         assert ("this machine" in note) == rt.fitted_here(task)

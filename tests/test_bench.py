@@ -6,10 +6,11 @@ import pytest
 
 from entmtp.__main__ import main
 from entmtp.bank.bank import TopologyBank
-from entmtp.tools.bench import run_bench, table
+from entmtp.tools.bench import run_bench, results_table
 from entmtp.bank.fit import fit_task
 from entmtp.config import METHODS, BenchConfig, ModelConfig
-from entmtp.runtime.runtime import load_runtime, model_slug
+from entmtp.runtime.weights import model_slug
+from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.topology import chain_paths, compile_tree
 from entmtp.bank.traces import Trace
 
@@ -49,7 +50,7 @@ def test_run_bench_all_methods(tiny_dir, tmp_path):
     # methods were interleaved: each prompt ran every method, starting from a rotating position
     firsts = [next(r["method"] for r in out["per_prompt"] if r["prompt"] == i) for i in range(3)]
     assert len(set(firsts)) == 3
-    text = table(res)
+    text = results_table(res)
     assert text.count("\n") == len(res) + 1 and "entmtp-tau" in text
 
 
@@ -81,7 +82,7 @@ def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):
     write_bank(rt.banks_dir, rt.slug, "chat")
     out = run_bench(rt, [{"prompt": "hello", "task": "chat"}], ["ar", "hydra", "entmtp-static"], BenchConfig(max_new_tokens=8, warmup_new_tokens=2))
     assert all("lossless" not in r and r["same_as_ar"] is True for r in out["results"])
-    assert "same_as_ar" in table(out["results"]).splitlines()[0]
+    assert "same_as_ar" in results_table(out["results"]).splitlines()[0]
 
 
 def test_a_served_oracle_decides_losslessness():

@@ -10,7 +10,7 @@ from entmtp.model import kernels
 from entmtp.model import kv
 from entmtp.spec import verify
 from entmtp.config import ModelConfig
-from entmtp.runtime.runtime import load_model
+from entmtp.runtime.weights import load_model
 from entmtp.spec.topology import compile_tree
 from conftest import ALL_THREADS, tiny_llama
 

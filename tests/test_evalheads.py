@@ -62,6 +62,6 @@ def test_bank_traces_reuse_stored_continuations(tmp_path, monkeypatch):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     store = AnswerStore(tmp_path / "a.jsonl.gz", "tiny")
     first = rec.record_all(engine, heads, prompts, 30, 4, answers=store)
-    monkeypatch.setattr(tr, "greedy", lambda *a: pytest.fail("decoded although the continuation was stored"))
+    monkeypatch.setattr(rec, "greedy_continuation", lambda *a: pytest.fail("decoded although the continuation was stored"))
     again = rec.record_all(engine, heads, prompts, 30, 4, answers=AnswerStore(tmp_path / "a.jsonl.gz", "tiny"))
     assert [t.to_json() for t in again] == [t.to_json() for t in first]

@@ -171,7 +171,7 @@ def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
     assert torch.equal(e.q4_1_linear_q8(x[:limit], qs, d, m)[-1], e.q4_1_linear_q8(x[limit - 1 : limit], qs, d, m)[0])
     model = blocked_llama(3, q8=True)
     engine, heads = Engine(model, []), random_heads(model)
-    assert engine.max_block == limit
+    assert engine.max_rows == limit
     trees = [compile_tree([], "ar"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [2]], "t7")]
     prompt = [int(t) for t in torch.randint(1, 96, (limit + 6,), generator=g)]
     ref = reference(model, prompt, 30)

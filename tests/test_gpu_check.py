@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from entmtp.config import ROOT, TASKS, ModelConfig
-from entmtp.runtime.runtime import resolve_weights
+from entmtp.runtime.weights import resolve_weights
 
 pytestmark = pytest.mark.slow
 

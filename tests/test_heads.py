@@ -23,7 +23,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entmtp.config import TREES_FILE
-from entmtp.spec.heads import HeadsError, HeadsWarning, fetch_hub_heads, load_heads, save_heads
+from entmtp.spec.heads import HeadsError, HeadsWarning
+from entmtp.spec.headfiles import fetch_hub_heads, load_heads, save_heads
 from entmtp.spec.topology import load_named_trees
 from conftest import random_heads
 from test_engine import reference, run

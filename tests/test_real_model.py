@@ -12,7 +12,8 @@ from entmtp.data import prompts as data
 from entmtp.bank.bank import TopologyBank
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import Strategy, collect
-from entmtp.spec.heads import HydraHeads, MedusaHeads, save_heads
+from entmtp.spec.heads import HydraHeads, MedusaHeads
+from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import bank_path, default_heads_dir, load_runtime
 from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import chain_paths, compile_tree

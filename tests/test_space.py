@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from entmtp.config import DEFAULT_HUB_REPO, ROOT, WEIGHTS_ENV, ModelConfig
-from entmtp.runtime.runtime import default_weights_kind, resolve_weights
+from entmtp.runtime.weights import default_weights_kind, resolve_weights
 from test_loading import fill_hub_cache
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from entmtp.data.answers import AnswerStore
 from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
 from entmtp.spec.engine import Engine, Strategy, collect
-from entmtp.spec.heads import load_heads
+from entmtp.spec.headfiles import load_heads
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
 from entmtp.tools.train import (

@@ -18,7 +18,8 @@ from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import ceiling_text, through_heads
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import StepRecord, Strategy
-from entmtp.runtime.runtime import LoadError, Runtime, bank_path, load_runtime
+from entmtp.runtime.weights import LoadError
+from entmtp.runtime.runtime import Runtime, bank_path, load_runtime, resolve_bank
 from entmtp.spec.policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import chain_paths, compile_tree
 
@@ -303,3 +304,55 @@ def tree_view(rt: Runtime, bank: TopologyBank, rec: StepRecord | None) -> dict[s
         return None
     labels = [t.replace(" ", "␣").replace("\n", "↵")[:10] or "∅" for t in rt.tokenizer.batch_decode([[t] for t in rec.draft_tokens])]
     return {"tree": bank[rec.tree_index], "accepted": rec.accepted_nodes, "labels": labels, "step": rec.step, "s": rec.feature}
+
+
+# -- the Bank tab ----------------------------------------------------------------------------------
+
+
+def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
+    """Slider values for the τ override: the fitted thresholds when they lie in the sliders' range [0, 1].
+
+    A degenerate fit (one tree, thresholds parked at or above 1) must not reach the sliders:
+    Gradio refuses out-of-range slider values on every race, whether or not the override is ticked.
+    """
+    pol = bank.policies.get("tau")
+    if isinstance(pol, TauPolicy) and pol.small != pol.large and 0.0 <= pol.tau_off <= pol.tau_on <= 1.0:
+        return pol.tau_on, pol.tau_off
+    return 0.8, 0.5
+
+
+def bank_view(models: Models, task: str, model: str | None, refit: bool = False, progress=None):
+    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column.
+
+    Never times anything unless `refit`: a bank not yet fitted here shows its shipped fit, labelled so.
+    """
+    try:
+        name = models.check(model)
+        rt = models.loaded(name)
+        if rt is None or (not refit and has_bank(rt, task) and rt.needs_calibration(task)):
+            bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
+            hw = bank.fit.get("hardware", "?")
+            note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
+                    f"{bank.fit.get('date', '')}). The first race on this task fits it to this machine (or press Refit).")
+            if bank.meta.get("fallback"):
+                note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
+        else:
+            if refit and has_bank(rt, task):
+                rt.banks([task], progress, mode="refit")
+            bank = bank_for(rt, task)
+            note = bank_note(rt, task, bank)
+    except (RaceError, LoadError) as e:
+        return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
+    rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
+             "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in _policy_trees(p))]
+            for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
+    on, off = tau_defaults(bank)
+    return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
+
+
+def _policy_trees(pol) -> set[int]:
+    if isinstance(pol, StaticPolicy):
+        return {pol.tree}
+    if isinstance(pol, LadderPolicy):
+        return set(pol.trees)
+    return {pol.small, pol.large}

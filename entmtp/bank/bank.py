@@ -35,7 +35,7 @@ class TopologyBank:
     policies: dict[str, Policy] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     traces: list[Trace] = field(default_factory=list)
-    fit: dict[str, Any] = field(default_factory=dict)  # the active fit (see entmtp.calibrate.fit_task)
+    fit: dict[str, Any] = field(default_factory=dict)  # the active fit (see bank.fit.fit_task)
     shipped_fit: dict[str, Any] = field(default_factory=dict)  # the fit the file was saved with
 
     @classmethod

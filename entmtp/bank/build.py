@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from entmtp.bank.bank import TopologyBank
-from entmtp.bank.calibrate import calibrate
+from entmtp.bank.calibrate import time_and_fit
 from entmtp.bank.record import record_all
 from entmtp.bank.traces import accepted_in
 from entmtp.config import ROOT, BankBuildConfig, CalibrateConfig, Progress
@@ -121,7 +121,7 @@ def build_bank(
 ) -> TopologyBank:
     """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable).
 
-    `answers` (an entmtp.answers.AnswerStore) supplies and keeps the greedy continuations."""
+    `answers` (a `data.answers.AnswerStore`) supplies and keeps the greedy continuations."""
     key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)},
            "heads": meta["provenance"].get("heads_sha256")}
     if stages.load("stage0") not in (None, key):
@@ -132,7 +132,7 @@ def build_bank(
     paths = [t.rank_path(i) for t in traces for i in range(len(t))]
     trees = candidates(paths, cfg)
     bank = TopologyBank(trees, [{} for _ in trees], {"static": StaticPolicy(0)}, meta, traces)
-    fit = calibrate(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress)[meta["task"]]
+    fit = time_and_fit(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress)[meta["task"]]
     bank.shipped_fit = fit
     return bank.with_fit(fit)
 
@@ -151,7 +151,7 @@ def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[li
 
 def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: BankBuildConfig, work: Path | None,
                     fresh: bool, command: str, progress: Progress | None = None) -> TopologyBank:
-    """`build_bank` for a loaded runtime (`entmtp.loading.Runtime`): its Hydra heads, Hydra's
+    """`build_bank` for a loaded runtime (`runtime.Runtime`): its Hydra heads, Hydra's
     default tree scored beside the candidates, provenance filled in. Stages checkpoint under
     `work` (default: checkpoints/bank/<model>/<task>). The default model's greedy continuations
     come from, and go to, the repository's answer store."""

@@ -136,7 +136,7 @@ def save_fit(path: Path, fit: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def calibrate(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
+def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
               cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
               progress: Progress | None = None) -> dict[str, dict[str, Any]]:
     """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
@@ -190,7 +190,7 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
         if out[task] is None:
             missing[task] = bank
     if missing:
-        for task, fit in calibrate(engine, heads, missing, fp, cfg, baseline, progress).items():
+        for task, fit in time_and_fit(engine, heads, missing, fp, cfg, baseline, progress).items():
             save_fit(fit_cache_file(cache_root, missing[task], fp), fit)
             out[task] = missing[task].with_fit(fit)
     return out

@@ -28,8 +28,8 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     n = len(continuation)
     seq = torch.tensor([prompt + continuation[:-1]], device=device)  # the last token is never a feature
     # the prompt in one forward, as the engine reads it; then the continuation in blocks no larger
-    # than a step may verify, so each token gets the arithmetic it gets when decoded (`gguf.block_limit`)
-    L, cache, block = len(prompt), engine.new_cache(), engine.max_block or seq.shape[1]
+    # than a step may verify, so each token gets the arithmetic it gets when decoded (`gguf.q8_max_rows`)
+    L, cache, block = len(prompt), engine.new_cache(), engine.max_rows or seq.shape[1]
     outs = [forward.forward(model, cache, seq[:, a:b], torch.arange(a, b, device=device)[None], None)
             for a, b in [(0, L)] + [(i, min(i + block, seq.shape[1])) for i in range(L, seq.shape[1], block)]]
     hidden, logits = torch.cat([h for h, _ in outs]), torch.cat([z for _, z in outs])

@@ -2,7 +2,7 @@
 transformers' order, without the per-call machinery around them.
 
 A decode step of SmolLM2-135M runs 30 layers of small tensors; with the linears computed from the
-GGUF blocks (`quant.py`, ~16 ms a step on the 2-core AMD EPYC) most of the rest of the step was
+GGUF blocks (`gguf.py`, ~16 ms a step on the 2-core AMD EPYC) most of the rest of the step was
 transformers' Python around the arithmetic: module calls, keyword plumbing, mask preparation,
 cache dispatch. `forward` runs the same arithmetic directly: the embedding, RMSNorm as
 `LlamaRMSNorm` computes it, rotary embeddings from the model's own `rotary_emb`, the attention

@@ -221,7 +221,7 @@ def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[st
     return {"layers": count, "skipped": skipped, "error": None}
 
 
-def block_limit(model: nn.Module) -> int | None:
+def q8_max_rows(model: nn.Module) -> int | None:
     """The most tokens one forward may verify with the arithmetic of a single token: where the Q4_1
     layers take Q8 inputs, calls of more rows (prompts) compute in float32 (`q4_1_linear_q8`), so a
     tree must stay within this many nodes; None where any size computes alike."""

@@ -150,7 +150,7 @@ def check_cell(row: dict, check: str = "lossless") -> str:
     return "yes" if row[check] else "NO"
 
 
-def table(results: list[dict]) -> str:
+def results_table(results: list[dict]) -> str:
     """A plain-text table: one row per task and method."""
     check = "lossless" if results and "lossless" in results[0] else "same_as_ar"
     head = (f"{'task':<5} {'method':<14} {'tok/s':>7} {'pred':>7} {'x ar':>6} {'acc/step':>8} {check:>10} {'ms/step':>8}  "
@@ -168,7 +168,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, command: str,
+def summary_json(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, command: str,
             note: str | None = None) -> dict[str, Any]:
     """The final JSON line of `bench` (DESIGN.md, *Command line*): per task and method the headline
     figures, then the machine, model, weights, fits and settings of the run."""
@@ -183,7 +183,7 @@ def summary(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: float, 
         "model": rt.name,
         "weights": getattr(rt, "weights", ""),
         "fit": {task: bank.fit.get("hardware") for task, bank in rt._banks.items()},
-        # per task, the best any policy over the bank could do at the fit's costs (calibrate.fit_task)
+        # per task, the best any policy over the bank could do at the fit's costs (bank.fit.fit_task)
         "ceiling": {task: bank.fit["ceiling"] for task, bank in rt._banks.items() if bank.fit.get("ceiling")},
         "seconds": round(seconds, 1),
         "dtype": str(rt.model.dtype).replace("torch.", ""),
@@ -220,7 +220,7 @@ def warmup_line(w: dict[str, Any]) -> str:
     return f"warm-up (outside the clocks): start {w.get('start_s') or 0:.1f} s{ext}; first forward per tree size: {trees}"
 
 
-def save(folder: str | Path, summary: dict, out: dict) -> Path:
+def save_results(folder: str | Path, summary: dict, out: dict) -> Path:
     """results.json (the summary plus every row and prompt) and the speedup figure (HTML, and PNG
     where Chromium is installed) in `folder`; returns the results file."""
     from entmtp.figures.plots import bench_figure

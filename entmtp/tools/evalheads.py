@@ -4,7 +4,7 @@ Accuracy is read on self-generated answers to the calibration split (the same he
 `train-heads` reports on), beside the training-sample accuracy the heads' provenance records.
 
 The accepted length is that of the heads' own method (`hydra` or `medusa`) on Hydra's default
-tree over the evaluation split, computed exactly from acceptance traces (entmtp.traces): at
+tree over the evaluation split, computed exactly from acceptance traces (`bank.traces`): at
 temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
 along it, position by position (tests check trace simulation against real rollouts). The
 greedy continuations depend on the base model only, so they are kept in the user cache
@@ -67,7 +67,7 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     """
     log = log or (lambda line: print(line, flush=True))
     from entmtp.data.prompts import eval_prompt_file
-    from entmtp.runtime.runtime import eos_ids
+    from entmtp.runtime.weights import eos_ids
     from entmtp.data.answers import AnswerStore, repo_store
     from entmtp.tools.train import build_corpus, head_accuracy
 

@@ -36,7 +36,8 @@ from entmtp.data import prompts as data
 from entmtp.model import kv
 from entmtp.data.answers import AnswerStore
 from entmtp.config import TrainConfig
-from entmtp.spec.heads import DraftHeads, HydraHeads, MedusaHeads, ResBlock, save_heads
+from entmtp.spec.heads import DraftHeads, HydraHeads, MedusaHeads, ResBlock
+from entmtp.spec.headfiles import save_heads
 
 Encode = Callable[[str], list[int]]
 
@@ -347,7 +348,8 @@ def new_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
 
 def initial_heads(kind: str, cfg: TrainConfig, model) -> DraftHeads:
     """The heads in `cfg.init/<kind>` (our format), bound to `model` in its dtype, to train further."""
-    from entmtp.spec.heads import HeadsError, load_heads
+    from entmtp.spec.heads import HeadsError
+    from entmtp.spec.headfiles import load_heads
 
     folder = Path(cfg.init) / ("hydra-prefix" if cfg.arch == "prefix-mlp" else kind)
     try:

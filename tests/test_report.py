@@ -225,3 +225,132 @@ def test_a_run_with_ceilings_names_them(epyc):
     text = render([epyc])
     line = next(ln for ln in text.splitlines() if ln.startswith("- Ceiling of each fit"))
     assert "code 118.8 tok/s (1.30× predicted `ar`), chat 138.0 tok/s." in line
+
+
+# -- the committed pages: README's results block, BENCHMARKS.md, benchmarks/HISTORY.md, docs' blocks
+
+from entmtp.config import ROOT  # noqa: E402
+from entmtp.tools.report import (begin_marker, block, end_marker, fill, latest, pages, render_history,  # noqa: E402
+                                 targets_markdown)
+
+GENERATED = {"README.md": ["results"], "docs/heads.md": ["heads"], "docs/banks.md": ["fits"],
+             "docs/offline.md": ["prefix-cost"]}
+
+
+def test_the_committed_pages_are_what_report_writes():
+    """Every page and block `report` writes equals the committed file, byte for byte."""
+    written = pages(ROOT)
+    assert set(written) == {ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "HISTORY.md"} | {ROOT / p for p in GENERATED}
+    stale = [str(p.relative_to(ROOT)) for p, text in written.items() if p.read_text() != text]
+    assert not stale, f"run `python -m entmtp report`: {stale} differ from what it writes"
+
+
+def test_cli_regenerates_every_page_from_the_committed_files(tmp_path, capsys, monkeypatch):
+    """In a copy of the committed inputs with every generated block emptied and the generated pages
+    gone, `report` writes them back byte for byte, and prints each path it wrote."""
+    import shutil
+
+    for d in ("benchmarks", "banks", "docs"):
+        shutil.copytree(ROOT / d, tmp_path / d)
+    for f in ROOT.glob("assets/heads/*/*/heads.json"):
+        (tmp_path / f.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, tmp_path / f.relative_to(ROOT))
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    for page, names in GENERATED.items():
+        text = (tmp_path / page).read_text()
+        for name in names:
+            text = fill(text, name, "")
+        (tmp_path / page).write_text(text)
+    (tmp_path / "benchmarks" / "HISTORY.md").unlink()
+    monkeypatch.setattr("entmtp.config.ROOT", tmp_path)
+    code, stdout, err = cli(capsys, "report")
+    assert code == 0, err
+    assert stdout.split() == [str(tmp_path / p) for p in ("BENCHMARKS.md", "benchmarks/HISTORY.md", *GENERATED)]
+    for page in ("BENCHMARKS.md", "benchmarks/HISTORY.md", *GENERATED):
+        assert (tmp_path / page).read_text() == (ROOT / page).read_text(), page
+    # a page that lost its markers is one error line, and nothing half-written
+    (tmp_path / "docs" / "banks.md").write_text("# Banks\n")
+    code, stdout, err = cli(capsys, "report")
+    assert code == 2 and err.count("\n") == 1 and "docs/banks.md" in err and begin_marker("fits") in err
+
+
+def test_page_sizes_and_the_quick_start():
+    readme, benchmarks = (ROOT / "README.md").read_text(), (ROOT / "BENCHMARKS.md").read_text()
+    assert len(readme.splitlines()) <= 200 and len(benchmarks.splitlines()) <= 350
+    assert readme.startswith("---\ntitle: ") and "\napp_file: app.py\n" in readme.split("\n---\n", 1)[0]
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = [ln.split("#")[0].strip() for ln in quick.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+    assert commands == ["make demo", "make test"]
+
+
+def test_no_figure_in_readme_is_typed_by_hand():
+    """Outside the generated results block, the README states no measured figure."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    outside = readme.replace(block(readme, "results"), "")
+    figures = re.findall(r"\d[\d.,]*\s*(?:×|tok/s|tokens/s|ms\b|%|GB/s|GFLOPS)", outside)
+    assert not figures, figures
+    assert "BENCHMARKS.md" in readme and "DESIGN.md" in readme and "docs/" in readme
+
+
+def test_readme_results_name_the_machine_of_every_figure():
+    from entmtp.tools.report import committed
+
+    c = committed(ROOT)
+    body = block((ROOT / "README.md").read_text(), "results")
+    for n in latest(c["runs"]):
+        run = c["runs"][n - 1]
+        assert f"**{run['hardware']}**: run {n} of" in body
+        ar = next(r for r in run["detail"] if r["method"] == "ar")
+        assert f"| {ar['task']} | {ar['tokens_per_s']:.1f} tok/s |" in body
+    assert body.count("| code |") == len(latest(c["runs"]))
+    assert c["gpu"][-1]["device"] in body and c["llamacpp"][-1]["source"] in body
+
+
+def test_latest_run_of_each_machine_in_full_the_rest_in_history(epyc, xeon):
+    earlier = json.loads(json.dumps(epyc))
+    earlier["date"] = "2026-11-30"
+    runs = [{**earlier, "source": "e.json"}, {**xeon, "source": "x.json"}, {**epyc, "source": "e2.json"}]
+    assert latest(runs) == [2, 3]
+    page, history = render(runs), render_history(runs)
+    assert "\n## Run 2: " in page and "\n## Run 3: " in page and "\n## Run 1: " not in page
+    assert "\n## Run 1: " in history and "\n## Run 2: " not in history and "\n## Run 3: " not in history
+    glance = [ln for ln in page.split("## Runs at a glance", 1)[1].split("\n## ", 1)[0].splitlines() if ln.startswith("| ")]
+    assert [ln.split(" | ")[0:2] for ln in glance[1:]] == [["| 1", "2026-11-30"], ["| 2", "2026-12-01"], ["| 3", "2026-12-01"]]
+    assert all(f"| {epyc['hardware']} |" in glance[i] for i in (1, 3)) and "| 1.70× | 1.70× | yes | `e.json` |" in glance[1]
+    assert "Runs 1 in full: [benchmarks/HISTORY.md]" in page
+    assert render_history(runs[1:]).endswith("No earlier runs.\n")
+
+
+def test_fill_replaces_only_its_block():
+    text = f"a\n{begin_marker('x')}\nold\n{end_marker('x')}\nb\n"
+    assert fill(text, "x", "new") == f"a\n{begin_marker('x')}\nnew\n{end_marker('x')}\nb\n"
+    assert block(fill(text, "x", "new\n"), "x") == "new\n"
+    for bad in ("no markers\n", text + text, f"{end_marker('x')}\n{begin_marker('x')}\n"):
+        with pytest.raises(ReportError, match="needs exactly one block"):
+            fill(bad, "x", "new")
+
+
+def test_llamacpp_section_from_the_committed_comparisons():
+    from entmtp.tools.report import llamacpp_section, read_llamacpp
+
+    files = sorted((ROOT / "benchmarks" / "llamacpp").glob("*.json"))
+    from entmtp.tools.report import _natural
+
+    comparisons = [read_llamacpp(f) for f in sorted(files, key=_natural)]
+    text = llamacpp_section(comparisons)
+    last = comparisons[-1]
+    assert last["source"].endswith("2026-12-01-amd-epyc-2.json")  # x-2.json is the later session
+    assert text.startswith(f"## Beside llama.cpp: {last['runs'][0]['hardware']}")
+    for task, s in last["summary"].items():
+        assert f"| {task} | " in text and f"**{s['geomean']:.2f}×**" in text
+    assert all(c["source"] in text for c in comparisons)
+
+
+def test_design_quotes_the_targets_report_judges():
+    """The targets' one statement is report.py; DESIGN.md *Performance targets* quotes it."""
+    design = (ROOT / "DESIGN.md").read_text()
+    section = design.split("## Performance targets", 1)[1]
+    assert targets_markdown() in section
+    assert "1.5×" in targets_markdown() and "3%" in targets_markdown() and "2.5" in targets_markdown()

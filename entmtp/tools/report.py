@@ -544,7 +544,8 @@ def results_block(runs: list[dict], gpu: list[dict] = (), llamacpp: list[dict] =
         rows = _rows(run)
         methods = list(dict.fromkeys(r["method"] for r in run["detail"]))
         lines += [f"**{run['hardware']}**: run {n} of [BENCHMARKS.md](BENCHMARKS.md) ({run['date']}, `{run['kernels']}` "
-                  f"kernels, {run['prompts']} evaluation prompts, up to {run['max_new_tokens']} new tokens each):", "",
+                  f"kernels, {run['prompts']} evaluation prompts, up to {run['max_new_tokens']} new tokens each"
+                  + (f"; noted with the run: {run['note']}" if run.get("note") else "") + "):", "",
                   "| task | " + " | ".join(f"`{m}`" for m in methods) + " | lossless |", "|" + "---|" * (len(methods) + 2)]
         for t in _tasks(run):
             cells = []

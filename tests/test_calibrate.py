@@ -35,7 +35,7 @@ def setup(request):
 
 
 def real_run(engine, heads, prompt, bank, policy):
-    return collect(engine.generate(prompt, Strategy("t", bank, policy, heads if bank.max_depth else None),
+    return collect(engine.generate(prompt, Strategy("t", bank, policy, heads if max(t.max_depth for t in bank) else None),
                                    GenerationConfig(max_new_tokens=N_NEW)))
 
 

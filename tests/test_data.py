@@ -1,4 +1,4 @@
-"""Data splits and prompt files (entmtp.data). The ShareGPT parse takes about a second."""
+"""Data splits and prompt files (entmtp.data.prompts). The ShareGPT parse takes about a second."""
 
 from __future__ import annotations
 

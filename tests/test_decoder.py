@@ -1,4 +1,4 @@
-"""The lean Llama forward (entmtp/decoder.py) equals transformers' forward bit for bit."""
+"""The lean Llama forward (entmtp/model/decoder.py) equals transformers' forward bit for bit."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""The extension's layer operations (entmtp/csrc/layers.cpp, decoder.fuse): close to transformers'
+"""The extension's layer operations (entmtp/model/csrc/layers.cpp, decoder.fuse): close to transformers'
 arithmetic, independent of the batch a row is in, and a fused model's engine equal to `generate`
 on that same model, bit for bit: a tiny Llama whose every projection is random GGUF blocks."""
 
@@ -23,7 +23,7 @@ from test_quant import random_blocks
 pytestmark = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=f"GGUF kernels: {ext.unavailable_reason()}")
 
 
-def ext():
+def extension():
     e = ext.extension()
     assert e is not None, ext.extension_error()
     return e
@@ -33,9 +33,9 @@ def test_norm_and_activation_match_transformers():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 576, generator=g) * 3, torch.randn(576, generator=g)
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(ext().rms_norm(x, w, 1e-5), w * h, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(extension().rms_norm(x, w, 1e-5), w * h, rtol=2e-6, atol=1e-6)
     gate, up = torch.randn(3, 1536, generator=g) * 6, torch.randn(3, 1536, generator=g)
-    torch.testing.assert_close(ext().silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(extension().silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
 
 
 def test_attention_matches_sdpa_and_each_query_stands_alone():
@@ -46,16 +46,16 @@ def test_attention_matches_sdpa_and_each_query_stands_alone():
     block = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                           [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool)
     mask = torch.cat([torch.ones(n, past, dtype=torch.bool), block], 1)[None, None]
-    got = ext().attention(q, k, v, mask, dim ** -0.5)  # [1, n, heads, dim]
+    got = extension().attention(q, k, v, mask, dim ** -0.5)  # [1, n, heads, dim]
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
     torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
     for i in range(n):  # a node alone, over only the keys it sees, in cache order: the same bits
         seen = mask[0, 0, i].nonzero()[:, 0]
-        alone = ext().attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, dim ** -0.5)
+        alone = extension().attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, dim ** -0.5)
         assert torch.equal(alone[0, 0], got[0, i]), i
-    causal = ext().attention(q, k, v, None, dim ** -0.5)  # no mask: the last n keys causal
+    causal = extension().attention(q, k, v, None, dim ** -0.5)  # no mask: the last n keys causal
     full = torch.ones(n, past + n, dtype=torch.bool).tril(past)[None, None]
-    assert torch.equal(causal, ext().attention(q, k, v, full, dim ** -0.5))
+    assert torch.equal(causal, extension().attention(q, k, v, full, dim ** -0.5))
 
 
 def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:
@@ -125,12 +125,12 @@ def test_q8_linear_is_llamacpp_arithmetic_and_batch_invariant():
         qs, d, m = quant._split_blocks(random_blocks("q4_1", n, k, seed=n), "q4_1")
         x = torch.randn(9, k, generator=g) * torch.rand(1, k, generator=g) * 4
         x[2, :32] = 0  # an all-zero block: scale 0
-        got = ext().q4_1_linear_q8(x, qs, d, m)
+        got = extension().q4_1_linear_q8(x, qs, d, m)
         ref = q8_reference(x, qs, d, m)
         assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
         for rows in (range(9), range(0, 9, 2), [4]):  # each row computes the same bits in any batch
             rows = list(rows)
-            assert torch.equal(ext().q4_1_linear_q8(x[rows], qs, d, m), got[rows])
+            assert torch.equal(extension().q4_1_linear_q8(x[rows], qs, d, m), got[rows])
         exact = x @ quant._dequantize(qs, d, m).T  # the float32 model's product, within quantisation error
         assert ((got - exact).norm() / exact.norm()) < 0.02
 
@@ -163,7 +163,7 @@ def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
     from entmtp.bank import record as rec
     from entmtp.bank import traces as tr
 
-    e, g = ext(), torch.Generator().manual_seed(4)
+    e, g = extension(), torch.Generator().manual_seed(4)
     limit = e.q8_max_rows()
     qs, d, m = quant._split_blocks(random_blocks("q4_1", 40, 96, seed=4), "q4_1")
     x = torch.randn(limit + 1, 96, generator=g)

@@ -1,4 +1,4 @@
-"""Prepacked float32 linears (entmtp.kernels): same numbers as F.linear, same tokens as generate."""
+"""Prepacked float32 linears (entmtp.model.kernels): same numbers as F.linear, same tokens as generate."""
 
 import copy
 import threading

@@ -1,4 +1,4 @@
-"""The GGUF block kernels (entmtp/quant.py): exact weights, float32 products, batch invariance,
+"""The GGUF block kernels (entmtp/model/gguf.py): exact weights, float32 products, batch invariance,
 and the real default model served from its Q4_1/Q8_0 blocks, token for token."""
 
 import numpy as np

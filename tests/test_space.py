@@ -130,7 +130,7 @@ def test_space_without_network_serves_identical_race_texts(tmp_path, monkeypatch
     env = space_env(hub_cache(tmp_path / "hf"), port)
 
     t_weights = time.monotonic()
-    weights = run([python, "-c", "from entmtp.loading import resolve_weights; print(resolve_weights().description)"],
+    weights = run([python, "-c", "from entmtp.runtime.weights import resolve_weights; print(resolve_weights().description)"],
                   timeout=300, cwd=ROOT, env=env).stdout.strip()
     assert weights.startswith(f"{DEFAULT_HUB_REPO}@") and "(hub, float32 safetensors)" in weights, weights
 

@@ -1,4 +1,4 @@
-"""Draft-head self-distillation (entmtp.train) on the tiny random Llama."""
+"""Draft-head self-distillation (entmtp.tools.train) on the tiny random Llama."""
 
 from __future__ import annotations
 

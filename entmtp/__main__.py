@@ -463,7 +463,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
     from entmtp.machine import hardware
     from entmtp.model.serve import is_packed
-    from entmtp.tools.kernelbench import compare, compare_table
+    from entmtp.tools.kernelbench import compare, compare_table, isa_rows, isa_table
     from entmtp.runtime.runtime import load_runtime
 
     threads = torch.get_num_threads()
@@ -477,10 +477,13 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         from entmtp.model.serve import label
 
         result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32", "kernels": label(rt.model),
-                  **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__}
+                  **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__,
+                  "isa": isa_rows(rt.model, cfg.rows, cfg.context, cfg.reps, cfg.warmup)}
     finally:
         torch.set_num_threads(threads)
     print(compare_table(result))
+    if result["isa"]:
+        print(isa_table(result["isa"]))
     print(json.dumps(result))
 
 

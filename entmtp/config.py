@@ -118,6 +118,7 @@ class KernelBenchConfig:
     """`python -m entmtp kernels`: packed against stock CPU kernels, per tree size (entmtp.tools.kernelbench)."""
 
     sizes: tuple[int, ...] = (1, 2, 4, 9, 17)  # tree nodes verified at once (1: a plain decode step)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 64)  # rows per instruction-set path of the Q8 products (`isa_rows`)
     context: int = 192  # cached tokens the tree attends to (as calibrate times a step)
     reps: int = 15  # timed rounds; medians are reported
     warmup: int = 2  # untimed first rounds

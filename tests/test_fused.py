@@ -61,7 +61,7 @@ def test_attention_matches_sdpa_and_each_query_stands_alone():
 def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:
     """A tiny Llama (dimensions multiples of 32) whose projections are random Q4_1 blocks and whose
     LM head is Q8_0, each a `GGUFLinear` on the float32 weights its blocks dequantise to (`q8`: the
-    projections take Q8 inputs, as `--kernels q8` serves)."""
+    layers take Q8 inputs, as `--kernels q8` serves)."""
     torch.manual_seed(seed)
     cfg = tiny_config(96, 256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
@@ -76,9 +76,9 @@ def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:
         if kind == "q8_0":
             d = d * 4.0  # peakier logits: exercises acceptance (exact: a power of two)
         parent, _, attr = name.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, quant.GGUFLinear(weight, kind, qs, d, m, q8))
+        setattr(modules[parent] if parent else model, attr, quant.GGUFLinear.from_blocks(weight, kind, qs, d, m, q8))
     kernels.use_tree_attention(model)
-    assert decoder.fuse(model) and serve.label(model) == ("gguf-q8+fused" if q8 else "gguf-blocks+fused")
+    assert decoder.fuse(model) and serve.label(model) == (f"gguf-q8-{ext.isa()}+fused" if q8 else "gguf-blocks+fused")
     return model
 
 
@@ -119,42 +119,29 @@ def q8_reference(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     return (dots * d.double()[None] * dx[:, None] + m.double()[None] * (dx * qx.sum(-1))[:, None]).sum(-1)
 
 
+def packed_linear(kind: str, x: torch.Tensor, qs, d, m, q8: bool, isa: str = "scalar") -> torch.Tensor:
+    """The extension's linear on blocks in the GGUF's layout, packed as `GGUFLinear` packs them."""
+    q, pd, pm = quant.pack(kind, qs, d, m)
+    code = ext.ISA_CODES[isa]
+    if kind == "q4_1":
+        return extension().q4_1_linear(x, q, pd, pm, d.shape[0], q8, code)
+    return extension().q8_0_linear(x, q, pd, d.shape[0], q8, code)
+
+
 def test_q8_linear_is_llamacpp_arithmetic_and_batch_invariant():
     g = torch.Generator().manual_seed(3)
     for n, k in ((70, 96), (13, 576)):
         qs, d, m = quant._split_blocks(random_blocks("q4_1", n, k, seed=n), "q4_1")
         x = torch.randn(9, k, generator=g) * torch.rand(1, k, generator=g) * 4
         x[2, :32] = 0  # an all-zero block: scale 0
-        got = extension().q4_1_linear_q8(x, qs, d, m)
-        ref = q8_reference(x, qs, d, m)
+        got = packed_linear("q4_1", x, qs, d, m, True)
+        ref = q8_reference(x, qs, d.float(), m.float())
         assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
         for rows in (range(9), range(0, 9, 2), [4]):  # each row computes the same bits in any batch
             rows = list(rows)
-            assert torch.equal(extension().q4_1_linear_q8(x[rows], qs, d, m), got[rows])
+            assert torch.equal(packed_linear("q4_1", x[rows], qs, d, m, True), got[rows])
         exact = x @ quant._dequantize(qs, d, m).T  # the float32 model's product, within quantisation error
         assert ((got - exact).norm() / exact.norm()) < 0.02
-
-
-def test_stack_takes_additive_and_bool_masks_alike():
-    from entmtp.model import kv
-
-    model = blocked_llama(2)
-    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "t5")
-    ids, toks = torch.arange(3, 14)[None], torch.tensor([20, 21, 22, 23, 24])
-    block = tree.mask_block(torch.float32, torch.device("cpu"))
-    additive = torch.cat([torch.zeros(5, 11), block], 1)[None, None]
-    outs = []
-    with torch.inference_mode():
-        for mask in (additive, additive == 0):
-            cache = kv.new_cache(model.config)
-            decoder.lean_forward(model, cache, ids, torch.arange(11)[None], None)
-            outs.append(decoder.lean_forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], mask))
-        assert torch.equal(outs[0][1], outs[1][1])
-        # a mask that hides part of the cache is not the stack's to compute: transformers' path takes it
-        cache = kv.new_cache(model.config)
-        decoder.lean_forward(model, cache, ids, torch.arange(11)[None], None)
-        hidden_past = torch.cat([torch.full((5, 1), torch.finfo(torch.float32).min), torch.zeros(5, 10), block], 1)[None, None]
-        assert decoder.lean_forward(model, cache, toks[None], (tree.depth_tensor + 11)[None], hidden_past) is None
 
 
 def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
@@ -163,12 +150,12 @@ def test_q8_holds_for_a_step_and_a_prompt_computes_in_float32():
     from entmtp.bank import record as rec
     from entmtp.bank import traces as tr
 
-    e, g = extension(), torch.Generator().manual_seed(4)
-    limit = e.q8_max_rows()
+    g = torch.Generator().manual_seed(4)
+    limit = extension().q8_max_rows()
     qs, d, m = quant._split_blocks(random_blocks("q4_1", 40, 96, seed=4), "q4_1")
     x = torch.randn(limit + 1, 96, generator=g)
-    assert torch.equal(e.q4_1_linear_q8(x, qs, d, m), e.q4_1_linear(x, qs, d, m))
-    assert torch.equal(e.q4_1_linear_q8(x[:limit], qs, d, m)[-1], e.q4_1_linear_q8(x[limit - 1 : limit], qs, d, m)[0])
+    assert torch.equal(packed_linear("q4_1", x, qs, d, m, True), packed_linear("q4_1", x, qs, d, m, False))
+    assert torch.equal(packed_linear("q4_1", x[:limit], qs, d, m, True)[-1], packed_linear("q4_1", x[limit - 1 : limit], qs, d, m, True)[0])
     model = blocked_llama(3, q8=True)
     engine, heads = Engine(model, []), random_heads(model)
     assert engine.max_rows == limit

@@ -1,5 +1,6 @@
 """The GGUF block kernels (entmtp/model/gguf.py): exact weights, float32 products, batch invariance,
-and the real default model served from its Q4_1/Q8_0 blocks, token for token."""
+every instruction-set path equal to the scalar reference bit for bit, and the real default model
+served from its Q4_1/Q8_0 blocks, token for token."""
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def test_blocks_dequantise_as_gguf_py_and_kernel_matches_float32(kind):
     ref = torch.from_numpy(dequantize(raw, gguf_type(kind)).astype(np.float32))
     qs, d, m = quant._split_blocks(raw, kind)
     assert torch.equal(quant._dequantize(qs, d, m), ref)  # the exactness check `attach` relies on
-    layer = quant.GGUFLinear(torch.nn.Parameter(ref, requires_grad=False), kind, qs, d, m)
+    layer = quant.GGUFLinear.from_blocks(torch.nn.Parameter(ref, requires_grad=False), kind, qs, d, m)
     # one-hot rows read the weights back: the kernel's float32 weights are gguf-py's, bit for bit
     assert torch.equal(layer(torch.eye(576)), ref.T)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1))
@@ -66,7 +67,7 @@ def test_a_rows_result_never_depends_on_its_batch(kind):
     raw = random_blocks(kind, 37, 1536, seed=2)  # an odd row count: the kernels' last panel is partial
     qs, d, m = quant._split_blocks(raw, kind)
     w = torch.nn.Parameter(quant._dequantize(qs, d, m), requires_grad=False)
-    layer = quant.GGUFLinear(w, kind, qs, d, m)
+    layer = quant.GGUFLinear.from_blocks(w, kind, qs, d, m)
     # 100 rows: a prompt's rows go in chunks (42 rows of 1,536 features), the last one partial
     x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -78,6 +79,59 @@ def test_a_rows_result_never_depends_on_its_batch(kind):
             assert torch.equal(layer(x), alone)
         finally:
             torch.set_num_threads(1)
+
+
+# The default model's matrices (out, in): q/k/v fused, o, gate/up fused, down, the LM head; and two
+# odd ones (a partial group of 16 outputs, a single block of inputs).
+SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 576, 1536), ("q8_0", 49152, 576),
+          ("q4_1", 37, 96), ("q8_0", 40, 32)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, n, k", SHAPES)
+def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, n, k):
+    """Q8 products: the exact integer block sums and the one fixed finish give the same bits in the
+    scalar reference (std::fma), AVX2 (forced here even where AVX-512 runs) and AVX-512 VNNI, for
+    every call of 1 to 64 rows, each row as it computes alone."""
+    e = ext.extension()
+    paths = list(e.isas())
+    assert {"scalar", "avx2"} <= set(paths)  # the extension needs AVX2, so both always run
+    qs, d, m = quant._split_blocks(random_blocks(kind, n, k, seed=n + k), kind)
+    q, pd, pm = quant.pack(kind, qs, d, m)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(64, k, generator=g) * torch.rand(1, k, generator=g) * 3
+    x[5, :32] = 0  # an all-zero block: scale 0
+    x[7, 3] = 1e4  # one large input: the rest of its block quantises to small integers
+
+    def run(rows: torch.Tensor, isa: str) -> torch.Tensor:
+        code = ext.ISA_CODES[isa]
+        return e.q4_1_linear(rows, q, pd, pm, n, True, code) if kind == "q4_1" else e.q8_0_linear(rows, q, pd, n, True, code)
+
+    with torch.inference_mode():
+        oracle = run(x, "scalar")
+        exact = x.double() @ quant._dequantize(qs, d, m).double().T  # within quantisation error of the float product
+        assert ((oracle.double() - exact).norm() / exact.norm()) < 0.02
+        for isa in paths:
+            for rows in range(1, 65):
+                assert torch.equal(run(x[:rows], isa), oracle[:rows]), (isa, rows)
+            assert torch.equal(run(x[37:38], isa), oracle[37:38]), isa  # a row alone, from the middle
+
+
+@needs_kernels
+def test_the_isa_path_is_a_verified_one_or_the_forced_one(monkeypatch):
+    runnable = list(ext.extension().isas())
+    best = next(name for name in ext.VERIFIED_ISAS if name in runnable)
+    monkeypatch.delenv(ext.ISA_ENV, raising=False)
+    assert ext.isa() == best
+    monkeypatch.setenv(ext.ISA_ENV, "avx2")
+    assert ext.isa() == "avx2"
+    monkeypatch.setenv(ext.ISA_ENV, "amx_int8")
+    with pytest.raises(ValueError, match="ENTMTP_ISA=amx_int8"):
+        ext.isa()
+
+
+def test_the_build_is_keyed_by_this_cpu():
+    assert ext.NAME == f"entmtp_gguf_{ext.cpu_key()}" and len(ext.cpu_key()) == 12
 
 
 def test_header_reader_agrees_with_gguf_py():
@@ -110,8 +164,8 @@ def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear) and m.weight is not None]  # not the fused copies
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
     assert served.model.get_output_embeddings() in layers
-    assert serve.label(served.model) == "gguf-q8+fused" and served.fingerprint["kernels"] == "gguf-q8+fused"
-    assert all(m.q8 == (m.kind == "q4_1") for m in layers)  # Q8 inputs to the projections; the Q8_0 LM head in float32
+    assert serve.label(served.model) == f"gguf-q8-{ext.isa()}+fused" == served.fingerprint["kernels"]
+    assert all(m.q8 and m.isa == ext.isa() for m in layers)  # Q8 inputs everywhere, LM head included, on this CPU's path
     assert served.served_differs()
 
 

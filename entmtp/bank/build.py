@@ -172,6 +172,6 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
     }
     ids = [rt.encode(t) for t in texts]
-    baseline = rt.strategy("hydra", task).bank[0]  # Hydra's default tree, scored for comparison
+    baseline = rt.strategy("hydra", task).trees[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
                       rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name, rt.arithmetic))

@@ -36,6 +36,7 @@ from torch import nn
 
 from entmtp.model import kernels
 from entmtp.model import kv
+from entmtp.model.ext import ISA_CODES
 from entmtp.model.gguf import GGUFLinear
 
 LEAN_ENV = "ENTMTP_LEAN"
@@ -152,11 +153,12 @@ def fuse(model: nn.Module) -> bool:
                     mlp.down_proj.qs, mlp.down_proj.d, mlp.down_proj.m]
     cfg, attn0 = model.config, base.layers[0].self_attn
     eps = base.layers[0].input_layernorm.variance_epsilon
-    q8 = {m.q8 for m in linears}
-    if len(q8) != 1:
+    arithmetic = {(m.q8, m.isa) for m in linears}
+    if len(arithmetic) != 1:
         return False
+    q8, isa = arithmetic.pop()
     stack = ext.Stack(weights, cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim, float(eps), float(attn0.scaling),
-                      q8.pop())
+                      q8, ISA_CODES[isa])
     attend = _attention(ext)
     for layer in base.layers:
         layer.input_layernorm = FusedRMSNorm(layer.input_layernorm, ext)

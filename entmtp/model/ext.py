@@ -16,7 +16,16 @@ import torch
 
 GGUF_ENV = "ENTMTP_GGUF_KERNELS"  # 0/false/off/no: serve without the GGUF kernels
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp", "layers.cpp")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]  # no contraction: d * q + m as numpy rounds it
+# AVX2 is the floor the extension is built for; the AVX-512 VNNI kernels carry their own target
+# attributes and run only where the CPU reports them (`isas`). No contraction: d * q + m as numpy
+# rounds it, and the Q8 finish's multiply and fma exactly as the scalar reference writes them.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+ISA_ENV = "ENTMTP_ISA"  # force an instruction-set path for the Q8 products: scalar | avx2 | avx512_vnni
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
+# Paths dispatched to by default, best first: each has passed the bit-identity tests against the
+# scalar reference on a CPU that has it (AVX2 and AVX-512 VNNI on AMD EPYC Zen 4, 2026-12-02).
+# A path not listed (AMX, AVX-VNNI) is never picked on its own.
+VERIFIED_ISAS = ("avx512_vnni", "avx2")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -38,7 +47,26 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
     return None
 
 
-NAME = "entmtp_gguf_linear"
+def cpu_key() -> str:
+    """A short hash of this CPU's model name and feature flags: the extension is built and cached
+    per key, so a build made for one CPU never loads on another."""
+    import hashlib
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return hashlib.sha256(f"{model}|{flags}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+
+
+NAME = f"entmtp_gguf_{cpu_key()}"
 
 
 def extension():
@@ -79,3 +107,16 @@ def build_report() -> dict | None:
 def extension_error() -> str | None:
     """Why `extension()` gave None (None before it was asked for, or when it loaded)."""
     return _state.get("error")
+
+
+def isa() -> str:
+    """The instruction-set path the Q8 products take here: `ENTMTP_ISA` where set (it must be one
+    this CPU runs), else the first of `VERIFIED_ISAS` it runs, else the scalar reference."""
+    ext = extension()
+    runnable = list(ext.isas()) if ext is not None else ["scalar"]
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced:
+        if forced not in runnable:
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU runs {', '.join(runnable)}")
+        return forced
+    return next((name for name in VERIFIED_ISAS if name in runnable), "scalar")

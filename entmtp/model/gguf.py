@@ -14,15 +14,16 @@ computes exactly what N single-token steps compute, and `generate` on the same m
 oracle the engine matches. Against stock `F.linear` on the same weights the results differ by
 float32 rounding (~1e-5 on SmolLM2's layers), as oneDNN's do.
 
-By default (`--kernels q8`, `GGUFLinear.q8`) the Q4_1 layers compute as llama.cpp does instead:
-each input row quantised per block of 32 to int8 with a scale, 4-bit by 8-bit products summed
-exactly in integers (`q4_1_linear_q8`); still per row and in a fixed order, so batch-invariant,
-and about 1.4x faster on one row here, since no weight is turned into a float. The served model
-is then that arithmetic (~0.5% from the float32 product per layer on random inputs).
-
-Measured on the 2-core AMD EPYC (no AVX-512), all 210 linears plus the LM head, median ms per
-call by input rows, against oneDNN's prepacked float32 (`kernels.PackedLinear`):
-1 row 15-17 vs 52, 4 rows 24-27 vs 65, 9 rows 45-48 vs 75, 17 rows 70-75 vs 94.
+By default (`--kernels q8`, `GGUFLinear.q8`) the layers compute as llama.cpp does instead: each
+input row quantised per block of 32 to int8 with a scale, and the products with the weights'
+4-bit (Q4_1) or 8-bit (Q8_0, the LM head) values summed exactly in integers. The weights are
+repacked once at load (`pack`: 16 output columns side by side, so one vector instruction adds
+4 products for each of 16 outputs), the integer block sums come from AVX-512 VNNI's vpdpbusd or
+AVX2's maddubs/madd, whichever the CPU runs (`ext.isa()`), and every output is finished from them
+in one fixed floating-point order, the same in every path and in the scalar reference: a row's
+result is the same bits whatever the rows in its call and whichever instructions ran. The served
+model is then that arithmetic (~0.5% from the float32 product per layer on random inputs).
+docs/kernels.md has the measurements.
 
 `ENTMTP_GGUF_KERNELS=0` (`ext.GGUF_ENV`) turns it off (oneDNN's packed float32 then serves, as on CPUs without
 AVX2 or where the build fails: the loader says why on stderr).
@@ -39,55 +40,97 @@ import torch.nn.functional as F
 from torch import nn
 
 from entmtp.model import kernels
-from entmtp.model.ext import extension, extension_error
+from entmtp.model.ext import ISA_CODES, extension, extension_error
+from entmtp.model.ext import isa as isa_name
 
 _BLOCK = 32
-MAX_IN = 2048  # the kernels' per-thread buffer holds 4 weight rows of at most this many inputs
+MAX_IN = 2048  # the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs (kMaxIn)
+
+GROUP = 16  # output columns a packed group (csrc/gguf_linear.cpp)
+
+
+def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A matrix's blocks in the GGUF's own layout (`_split_blocks`: values [out, bytes], fp16
+    scales and minimums [out, blocks]) -> the kernels' packed layout: per group of 16 outputs and
+    block of 32 inputs, 64-byte chunks holding 4 consecutive inputs of each of the 16 (Q4_1: as the
+    file's nibbles, Q8_0: as w + 128), then the 16 scales (and minimums) as fp16. A permutation of
+    the file's bytes (Q8_0's flipped in their top bit): nothing is rounded. Outputs past the last
+    (a partial group) are zero weights with zero scales."""
+    n, blocks = d.shape
+    groups = -(-n // GROUP)
+    pad = groups * GROUP - n
+
+    def padded(t: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+
+    if kind == "q4_1":
+        q = padded(qs.view(n, blocks, 4, 4), 0)  # [out, block, chunk j, i]: nibbles of inputs 4j + i and 16 + 4j + i
+    else:
+        q = padded(qs.view(torch.uint8).view(n, blocks, 8, 4) ^ 0x80, 0x80)  # [out, block, chunk j, i]: input 4j + i, + 128
+    q = q.view(groups, GROUP, blocks, -1, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1, 64).contiguous()
+    scales = lambda s: padded(s.to(torch.float16), 0).view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
+    return q, scales(d), None if m is None else scales(m)
+
 
 class GGUFLinear(nn.Module):
-    """A bias-free linear layer whose weight is kept as GGUF blocks (Q4_1 or Q8_0) for the CPU
-    kernels; it shares the float32 Parameter it replaces, which `kernels.stock_kernels()` (the
-    `hf` baselines) and training use."""
+    """A bias-free linear layer whose weight is kept as GGUF blocks (Q4_1 or Q8_0), repacked for
+    the CPU kernels (`pack`); it shares the float32 Parameter it replaces, which
+    `kernels.stock_kernels()` (the `hf` baselines) and training use. `q8`: inputs quantised to Q8
+    blocks (llama.cpp's arithmetic) for calls of up to `q8_max_rows` rows, their products summed by
+    instruction-set path `isa` (`ext.isa()`: bit for bit the same in every path)."""
 
-    def __init__(self, weight: nn.Parameter | None, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 q8: bool = False):
+    def __init__(self, weight: nn.Parameter | None, kind: str, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                 out_features: int, q8: bool = False, isa: str | None = None):
         super().__init__()
-        self.out_features, self.in_features = d.shape[0], d.shape[1] * _BLOCK
+        q, d, m = packed
+        self.out_features, self.in_features = out_features, q.shape[1] * _BLOCK
         self.weight = weight  # None for `concat`: only the engine's own forward calls those
         self.bias = None
         self.kind = kind
-        self.q8 = q8 and kind == "q4_1"  # inputs quantised to Q8 blocks (llama.cpp's arithmetic); Q8_0 stays float32
-        self.register_buffer("qs", qs, persistent=False)
+        self.q8 = q8
+        self.register_buffer("qs", q, persistent=False)
         self.register_buffer("d", d, persistent=False)
         self.register_buffer("m", m, persistent=False)
         self._ext = extension()
+        self.isa = isa or isa_name()
+
+    @classmethod
+    def from_blocks(cls, weight: nn.Parameter | None, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                    q8: bool = False, isa: str | None = None) -> "GGUFLinear":
+        """A layer from blocks in the GGUF's own layout (`_split_blocks`)."""
+        return cls(weight, kind, pack(kind, qs, d, m), d.shape[0], q8, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight)
+        code = ISA_CODES[self.isa]
         if self.kind == "q4_1":
-            return (self._ext.q4_1_linear_q8 if self.q8 else self._ext.q4_1_linear)(x, self.qs, self.d, self.m)
-        return self._ext.q8_0_linear(x, self.qs, self.d)
+            return self._ext.q4_1_linear(x, self.qs, self.d, self.m, self.out_features, self.q8, code)
+        return self._ext.q8_0_linear(x, self.qs, self.d, self.out_features, self.q8, code)
 
     @classmethod
     def concat(cls, layers: list["GGUFLinear"]) -> "GGUFLinear":
         """One layer for several of one kind over the same input, their outputs side by side. The
-        kernels sum each output alone, so its outputs are the parts' outputs bit for bit."""
+        kernels compute each output alone, so its outputs are the parts' outputs bit for bit."""
+        assert len({(layer.q8, layer.isa) for layer in layers}) == 1, "concat: the layers must share one arithmetic"
+        assert all(layer.out_features % GROUP == 0 for layer in layers[:-1]), "concat: whole groups of 16 outputs"
         cat = lambda name: torch.cat([getattr(layer, name) for layer in layers]).contiguous()
-        assert len({layer.q8 for layer in layers}) == 1, "concat: the layers must share one arithmetic"
-        return cls(None, layers[0].kind, cat("qs"), cat("d"), None if layers[0].m is None else cat("m"), layers[0].q8)
+        packed = (cat("qs"), cat("d"), None if layers[0].m is None else cat("m"))
+        return cls(None, layers[0].kind, packed, sum(layer.out_features for layer in layers), layers[0].q8, layers[0].isa)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {self.kind} blocks{', q8 inputs' if self.q8 else ''}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {self.kind} blocks"
+                f"{f', q8 inputs ({self.isa})' if self.q8 else ''}")
 
 
 def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """GGUF rows of blocks -> (values, scale d, minimum m) as the kernels read them. A Q4_1 block is
-    fp16 d, fp16 m and 16 bytes of nibbles; a Q8_0 block is fp16 d and 32 int8 values."""
+    """GGUF rows of blocks -> (values, scale d, minimum m) in the file's layout, the scales fp16 as
+    stored. A Q4_1 block is fp16 d, fp16 m and 16 bytes of nibbles; a Q8_0 block is fp16 d and 32
+    int8 values."""
     rows = raw.shape[0]
     size = 20 if kind == "q4_1" else 34
     b = np.ascontiguousarray(raw).reshape(rows, -1, size)
-    half = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32))  # exact
+    half = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.float16)[..., 0].copy())
     if kind == "q4_1":
         return torch.from_numpy(b[:, :, 4:].reshape(rows, -1).copy()), half(b[:, :, 0:2]), half(b[:, :, 2:4])
     return torch.from_numpy(b[:, :, 2:].reshape(rows, -1).copy().view(np.int8)), half(b[:, :, 0:2]), None
@@ -95,11 +138,12 @@ def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """The float32 weights the blocks stand for, rounded as gguf-py computes them (d * q, then + m)."""
+    d = d.float()  # fp16 -> float32 is exact
     if m is None:
         return (d[:, :, None] * qs.view(d.shape[0], d.shape[1], _BLOCK).float()).reshape(d.shape[0], -1)
     blocks = qs.view(d.shape[0], d.shape[1], 16)
     q = torch.cat([blocks & 0x0F, blocks >> 4], -1).float()  # element j: low nibble of byte j; j + 16: high
-    return (d[:, :, None] * q + m[:, :, None]).reshape(d.shape[0], -1)
+    return (d[:, :, None] * q + m.float()[:, :, None]).reshape(d.shape[0], -1)
 
 
 def _row_orders(rows: int, config) -> list[torch.Tensor]:
@@ -185,9 +229,8 @@ def read_blocks(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
 
 def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[str, Any]:
     """Replace each linear layer of `model` whose float32 weight is exactly what a Q4_1 or Q8_0
-    tensor of `gguf_path` dequantises to by a `GGUFLinear` on those blocks (`q8`: the Q4_1 layers
-    compute with their inputs quantised to Q8 blocks, as llama.cpp does; Q8_0, the LM head, stays
-    float32, which is faster here). Returns {"layers": how many, "skipped":
+    tensor of `gguf_path` dequantises to by a `GGUFLinear` on those blocks (`q8`: the layers, LM
+    head included, compute with their inputs quantised to Q8 blocks, as llama.cpp does). Returns {"layers": how many, "skipped":
     [names], "error": why none, or None}."""
     ext = extension()
     if ext is None:
@@ -214,7 +257,7 @@ def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[st
         if order is None:
             skipped.append(tname)
             continue
-        new = GGUFLinear(layer.weight, kind, qs[order].contiguous(), d[order].contiguous(), None if m is None else m[order].contiguous(), q8)
+        new = GGUFLinear.from_blocks(layer.weight, kind, qs[order], d[order], None if m is None else m[order], q8)
         parent, _, attr = name.rpartition(".")
         setattr(modules[parent] if parent else model, attr, new)
         count += 1
@@ -223,7 +266,7 @@ def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[st
 
 def q8_max_rows(model: nn.Module) -> int | None:
     """The most tokens one forward may verify with the arithmetic of a single token: where the Q4_1
-    layers take Q8 inputs, calls of more rows (prompts) compute in float32 (`q4_1_linear_q8`), so a
+    layers take Q8 inputs, calls of more rows (prompts) compute in float32 (csrc/gguf_linear.cpp), so a
     tree must stay within this many nodes; None where any size computes alike."""
     if not any(isinstance(m, GGUFLinear) and m.q8 for m in model.modules()):
         return None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from entmtp.model import decoder, gguf
+from entmtp.model.ext import ISA_CODES
 from entmtp.model.gguf import GGUFLinear
 from entmtp.model.kernels import Int8RowLinear, PackedLinear, pack_linears, use_tree_attention
 
@@ -43,15 +44,29 @@ def is_packed(module: nn.Module) -> bool:
 
 
 def label(model: nn.Module) -> str:
-    """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-q8" or
-    "gguf-blocks" (`gguf.GGUFLinear` with Q8 or float32 inputs), "packed" (oneDNN float32) or "stock", plus "+fused" where the GGUF extension runs the
-    whole layer (`decoder.fuse`), else "+lean" where the engine runs the model through `decoder.lean_forward`."""
+    """The base model's CPU kernels in a word, as fits and benchmarks record them: "gguf-q8-<isa>"
+    (`gguf.GGUFLinear` with Q8 inputs, their products on instruction-set path <isa>) or
+    "gguf-blocks" (float32 inputs), "packed" (oneDNN float32) or "stock", plus "+fused" where the
+    GGUF extension runs the whole layer (`decoder.fuse`), else "+lean" where the engine runs the
+    model through `decoder.lean_forward`. Step costs differ by path, so fits are keyed by it."""
     mods = list(model.modules())
-    gguf = [m for m in mods if isinstance(m, GGUFLinear)]
-    if gguf:
-        name = "gguf-q8" if any(m.q8 for m in gguf) else "gguf-blocks"
+    gguf_layers = [m for m in mods if isinstance(m, GGUFLinear)]
+    if gguf_layers:
+        q8 = [m for m in gguf_layers if m.q8]
+        name = f"gguf-q8-{q8[0].isa}" if q8 else "gguf-blocks"
     else:
         name = "packed" if any(isinstance(m, PackedLinear) for m in mods) else "stock"
     if decoder.fused(model):
         return name + "+fused"
     return name + ("+lean" if decoder.plan(model) is not None else "")
+
+
+def set_isa(model: nn.Module, isa: str) -> None:
+    """Compute `model`'s Q8 products on instruction-set path `isa` (one `ext.isas()` lists): every
+    GGUF layer and the fused layer stack. The results are the same bits on every path."""
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            m.isa = isa
+    stack = model.__dict__.get("_entmtp_stack")
+    if stack is not None:
+        stack.isa = ISA_CODES[isa]

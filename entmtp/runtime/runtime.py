@@ -207,9 +207,10 @@ class Runtime:
 
     @property
     def arithmetic(self) -> str:
-        """What keys stored greedy continuations apart by the served arithmetic: "+q8/64" (Q8 inputs
-        for calls of up to 64 rows, `gguf.q8_max_rows`) or "" (float32)."""
-        return "" if self.engine.max_rows is None else f"+q8/{self.engine.max_rows}"
+        """What keys stored greedy continuations apart by the served arithmetic: "+q8h/64" (Q8 inputs,
+        the LM head's included, for calls of up to 64 rows, `gguf.q8_max_rows`) or "" (float32).
+        ("+q8/64", the projections alone on Q8 inputs, is an earlier served model's.)"""
+        return "" if self.engine.max_rows is None else f"+q8h/{self.engine.max_rows}"
 
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None

@@ -1,5 +1,7 @@
 """`python -m entmtp kernels`: the served CPU kernels against stock, per tree size, beside what
-this machine can hardly beat (streaming the weights once; one multiply-add per weight and row)."""
+this machine can hardly beat (streaming the weights once; one multiply-add per weight and row);
+and per instruction-set path of the Q8 products, what 1 to 64 rows cost and r, the cost of an
+extra row over a one-row step."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 from entmtp.model import decoder, forward, kv
+from entmtp.model.ext import ISA_CODES, extension
 from entmtp.model.gguf import GGUFLinear
 from entmtp.model.kernels import PackedLinear, stock_kernels
+from entmtp.model.serve import set_isa
 from entmtp.spec import verify
 from entmtp.spec.topology import chain_paths, compile_tree
 
@@ -131,4 +135,63 @@ def compare_table(result: dict) -> str:
         lines.append(f"floor = max(weights {floor['weights_mb']} MB at {floor['bandwidth_gbs']} GB/s = {floor['memory_ms']} ms, "
                      f"nodes x {floor['macs_per_row_m']} M multiply-adds at {floor['gemm_gfma_s']} GFMA/s = "
                      f"{floor['fma_ms_per_row']} ms per node)")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def isa_rows(model: nn.Module, rows: tuple[int, ...], context: int, reps: int, warmup: int = 2) -> dict:
+    """Per instruction-set path of the Q8 products this CPU runs (the scalar reference aside):
+    median ms of a tree verification of n rows (a chain of n nodes over `context` cached tokens,
+    LM head included: the verify phase of a step), per n in `rows`, and r(n) = (t(n) - t(1)) /
+    ((n - 1) t(1)), what an extra row costs as a share of a one-row step. Paths and sizes are
+    interleaved per round, the paths' order alternating. Beside them, the arithmetic limit: the
+    model's multiply-adds per row at the 8-bit rate the path reaches from registers. `model`
+    serves Q8 inputs from GGUF blocks; it is left on the path it had."""
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.q8]
+    if not layers:
+        return {}
+    before = layers[0].isa
+    paths = [p for p in extension().isas() if p != "scalar"]
+    vocab = model.get_output_embeddings().out_features
+    context = max(1, min(context, int(getattr(model.config, "max_position_embeddings", 1 << 30)) - max(rows) - 1))
+    g = torch.Generator().manual_seed(0)
+    cache = kv.new_cache(model.config)
+    forward.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    trees = {n: compile_tree(chain_paths(n - 1), f"chain{n}") for n in rows}
+    tokens = {n: torch.randint(vocab // 8, vocab, (n,), generator=g) for n in rows}
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for r in range(warmup + reps):
+            for n in rows:
+                for isa in paths[:: 1 if r % 2 else -1]:
+                    set_isa(model, isa)
+                    t0 = time.perf_counter()
+                    verify.tree_forward(model, cache, trees[n], tokens[n], context)
+                    t1 = time.perf_counter()
+                    forward.commit(cache, context, [], n)
+                    if r >= warmup:
+                        times.setdefault((isa, n), []).append((t1 - t0) * 1e3)
+    finally:
+        set_isa(model, before)
+    macs = sum(m.in_features * m.out_features for m in _linears(model, as_served=True))
+    out = {"context": context, "reps": reps, "macs_per_row_m": round(macs / 1e6, 1), "paths": {}}
+    for isa in paths:
+        ms = {n: round(statistics.median(times[(isa, n)]), 3) for n in rows}
+        peak = extension().int8_peak(ISA_CODES[isa], 2_000_000)
+        out["paths"][isa] = {"ms": ms, "r": {n: round((ms[n] - ms[rows[0]]) / ((n - rows[0]) * ms[rows[0]]), 3) for n in rows[1:]},
+                             "int8_gmacs": round(peak / 1e9, 1), "arith_ms_per_row": round(macs / peak * 1e3, 3)}
+    return out
+
+
+def isa_table(result: dict) -> str:
+    """`isa_rows` as text: per path, ms by rows and r, and the arithmetic limit of a row."""
+    rows = list(next(iter(result["paths"].values()))["ms"])
+    head = f"{'path':<12}" + "".join(f"{f'{n} rows':>10}" for n in rows) + "   r at " + " ".join(f"{n:>5}" for n in rows[1:])
+    lines = [f"Q8 products by instruction-set path: a verification of n rows (ms), {result['context']} tokens of context, "
+             f"medians of {result['reps']}; r = extra-row cost / one-row step", head, "-" * len(head)]
+    for isa, p in result["paths"].items():
+        lines.append(f"{isa:<12}" + "".join(f"{p['ms'][n]:>10.2f}" for n in rows) + "         " + " ".join(f"{p['r'][n]:>5.2f}" for n in rows[1:]))
+    for isa, p in result["paths"].items():
+        lines.append(f"arithmetic limit on {isa}: {result['macs_per_row_m']} M multiply-adds a row at {p['int8_gmacs']} G 8-bit "
+                     f"multiply-adds/s = {p['arith_ms_per_row']} ms per row")
     return "\n".join(lines)

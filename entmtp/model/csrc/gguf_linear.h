@@ -1,8 +1,14 @@
-// x @ W.T for W kept as GGUF blocks (gguf_linear.cpp), with float32 or Q8 activations; each
-// output summed in one fixed order.
+// x @ W.T for W kept as GGUF blocks repacked at load (gguf_linear.cpp), with float32 or Q8
+// activations; each output computed in one fixed order, whatever the rows and the instruction set.
 #pragma once
 #include <immintrin.h>
 #include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+constexpr int64_t kMaxIn = 2048;  // the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs
+constexpr int64_t kIsaScalar = 0, kIsaAvx2 = 1, kIsaVnni = 2;  // `isa` arguments: which path computes the Q8 products
 
 // The 8 lanes summed in one fixed order.
 inline float hsum(__m256 v) {
@@ -13,7 +19,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t N, bool q8, int64_t isa);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t N, bool q8, int64_t isa);
 int64_t q8_max_rows();
-torch::Tensor q4_1_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+std::vector<std::string> isas();
+double int8_peak(int64_t isa, int64_t iters);

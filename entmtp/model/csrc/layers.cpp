@@ -239,21 +239,24 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   return out;
 }
 
-// The layer stack of a Llama model whose projections are Q4_1 blocks, for one sequence (batch 1).
-// Per layer, 14 tensors: input norm weight; q/k/v fused (qs, d, m); o (qs, d, m); post-attention
-// norm weight; gate/up fused (qs, d, m); down (qs, d, m). `q8`: the projections take Q8 activations.
+// The layer stack of a Llama model whose projections are packed Q4_1 blocks, for one sequence
+// (batch 1). Per layer, 14 tensors: input norm weight; q/k/v fused (q, d, m); o (q, d, m);
+// post-attention norm weight; gate/up fused (q, d, m); down (q, d, m). `q8`: the projections take
+// Q8 activations, computed by instruction-set path `isa` (gguf_linear.cpp).
 struct Stack {
   std::vector<torch::Tensor> w;
   int64_t heads, kv_heads, dim;
   double eps, scale;
-  torch::Tensor (*linear)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
+  bool q8;
+  int64_t isa;
 
-  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale, bool q8)
-      : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale),
-        linear(q8 ? &q4_1_linear_q8 : &q4_1_linear) {
+  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale, bool q8, int64_t isa)
+      : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale), q8(q8), isa(isa) {
     TORCH_CHECK(w.size() % 14 == 0, "Stack: 14 tensors per layer expected");
     TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "Stack: unsupported head layout");
   }
+
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* t, int64_t N) const { return q4_1_linear(x, t[0], t[1], t[2], N, q8, isa); }
 
   // x [Q, H] (embedded tokens), cos/sin [Q, D], the layers' key/value buffers [1, kv_heads, capacity,
   // D] holding `past` entries, an optional bool block mask [Q, Q] among the new tokens (else causal):
@@ -281,7 +284,7 @@ struct Stack {
                       vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
       const int64_t cap = kb.size(2);
       auto h = rms_norm(x, t[0], eps);
-      auto qkv = linear(h, t[1], t[2], t[3]);
+      auto qkv = linear(h, t + 1, qw + 2 * kw);
       auto qr = torch::empty({heads, Q, D}, x.options());
       {
         const float* src = qkv.data_ptr<float>();
@@ -301,26 +304,28 @@ struct Stack {
       auto att = torch::empty({Q, heads * D}, x.options());
       attend({qr.data_ptr<float>(), 0, Q * D, D}, {kb.data_ptr<float>(), 0, cap * D, D}, {vb.data_ptr<float>(), 0, cap * D, D}, 1,
              heads, kv_heads, Q, L, D, static_cast<float>(scale), vis, att.data_ptr<float>());
-      x = x + linear(att, t[4], t[5], t[6]);
+      x = x + linear(att, t + 4, x.size(1));
       auto h2 = rms_norm(x, t[7], eps);
-      auto gu = linear(h2, t[8], t[9], t[10]);
+      auto gu = linear(h2, t + 8, 2 * t[11].size(1) * 32);
       const int64_t I = gu.size(1) / 2;
       auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-      x = x + linear(a, t[11], t[12], t[13]);
+      x = x + linear(a, t + 11, x.size(1));
     }
     return x;
   }
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in GGUF Q4_1 blocks");
-  mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in GGUF Q8_0 blocks");
-  mod.def("q4_1_linear_q8", &q4_1_linear_q8, "x @ W.T with W in GGUF Q4_1 blocks, x quantised to Q8 blocks");
-  mod.def("q8_max_rows", &q8_max_rows, "q4_1_linear_q8 takes calls of more rows in float32");
+  mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in packed GGUF Q4_1 blocks (x, q, d, m, out_features, q8, isa)");
+  mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in packed GGUF Q8_0 blocks (x, q, d, out_features, q8, isa)");
+  mod.def("q8_max_rows", &q8_max_rows, "calls of more rows compute in float32 even with q8");
+  mod.def("isas", &isas, "the instruction-set paths this CPU can run: scalar, avx2, avx512_vnni");
+  mod.def("int8_peak", &int8_peak, "8-bit multiply-adds a second of a path on all threads, from registers (isa, iterations)");
   mod.def("rms_norm", &rms_norm, "LlamaRMSNorm, one row at a time");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up");
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   pybind11::class_<Stack>(mod, "Stack")
-      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
-      .def("forward", &Stack::forward);
+      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
+      .def("forward", &Stack::forward)
+      .def_readwrite("isa", &Stack::isa);
 }

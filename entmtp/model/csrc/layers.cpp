@@ -117,18 +117,32 @@ inline void weigh(const float* weight, const int64_t* index, int64_t n, const Vi
 // out [B, Q, heads, D]: softmax(q . k * scale) v over the visible keys, each (b, h, i) alone.
 void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, int64_t Q, int64_t L, int64_t D,
             float scale, const Visibility& vis, float* out) {
-  const int64_t groups = heads / kv_heads, total = B * heads * Q;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D));
+  // One task a (batch, key/value head, query): the `groups` query heads that read that key/value
+  // head share its list of visible keys (unless the mask differs by head); each head's result is
+  // computed exactly as if alone.
+  const int64_t groups = heads / kv_heads, total = B * kv_heads * Q;
+  const bool shared = vis.mask == nullptr || vis.sh == 0;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D * groups));
   at::parallel_for(0, total, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> score(L + 8);
     std::vector<int64_t> index(L);
+    int64_t index_n = 0;
     alignas(32) float acc[256];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (heads * Q), h = t / Q % heads, i = t % Q, g = h / groups;
+    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t member = 0; member < groups; ++member) {
+      const int64_t b = t / (kv_heads * Q), g = t / Q % kv_heads, i = t % Q, h = g * groups + member;
       const float* qv = q.at(b, h, i);
       int64_t n = 0;
-      for (int64_t j = 0; j < L; ++j)
-        if (vis(b, h, i, j, Q, L)) index[n++] = j;
+      if (member == 0 || !shared) {
+        // keys before the mask's columns are all visible (a causal query sees up to its own position)
+        const int64_t open = vis.mask == nullptr ? L - Q + i + 1 : std::max<int64_t>(0, L - vis.Lm);
+        for (int64_t j = 0; j < open; ++j) index[n++] = j;
+        if (vis.mask != nullptr)
+          for (int64_t j = open; j < L; ++j)
+            if (vis(b, h, i, j, Q, L)) index[n++] = j;
+        index_n = n;
+      }
+      n = index_n;
       // four keys at a time: four independent accumulators hide the FMA latency; each key's sum
       // runs in the same order as `dot`, so a score does not depend on its neighbours
       int64_t u = 0;
@@ -205,7 +219,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t rows = xc.numel() / H;
   const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
+  });
   return y;
 }
 
@@ -218,8 +234,16 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   auto u2 = u.dim() == 2 ? u : u.reshape({-1, I});
   const int64_t rows = g2.size(0);
   auto a = torch::empty({rows, I}, g.options());
-  for (int64_t r = 0; r < rows; ++r)
-    silu_mul_row(g2.data_ptr<float>() + r * g2.stride(0), u2.data_ptr<float>() + r * u2.stride(0), I, a.data_ptr<float>() + r * I);
+  const float *gp = g2.data_ptr<float>(), *up = u2.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  const int64_t gs = g2.stride(0), us = u2.stride(0), slice = 256;  // elements are independent: slices of rows in parallel
+  const int64_t per_row = (I + slice - 1) / slice;
+  at::parallel_for(0, rows * per_row, 4, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t r = s / per_row, k = s % per_row * slice;
+      silu_mul_row(gp + r * gs + k, up + r * us + k, std::min(slice, I - k), ap + r * I + k);
+    }
+  });
   return a.view(g.sizes());
 }
 

@@ -286,6 +286,20 @@ def floor_section(k: dict) -> str:
         v, lin, floor = r["verify_ms"]["packed"], r["linears_ms"]["packed"], floor_ms(f, r["nodes"])
         lines.append(f"| {r['nodes']} | {v:.1f} | {lin:.1f} | {v - lin:.1f} | {floor:.1f} | {v / floor:.1f}× | "
                      f"{r['verify_ms']['stock']:.1f} |")
+    isa = k.get("isa") or {}
+    if isa.get("paths"):
+        sizes = list(next(iter(isa["paths"].values()))["ms"])  # JSON keys: the row counts as strings
+        lines += ["", f"By instruction-set path of the Q8 products (the same bits on every path; paths and sizes interleaved, "
+                  f"{isa['context']} tokens of context, medians of {isa['reps']}): a verification of n rows in ms, and r(n) = "
+                  "(t(n) − t(1)) / ((n − 1) t(1)), what an extra row costs as a share of a one-row verification. The "
+                  f"arithmetic limit is the model's {isa['macs_per_row_m']} M multiply-adds a row at the 8-bit rate the path "
+                  "reaches from registers here.", "",
+                  "| path | " + " | ".join(f"{n} rows" for n in sizes) + " | " + " | ".join(f"r({n})" for n in sizes[1:])
+                  + " | arithmetic limit ms/row |",
+                  "|---|" + "---|" * (2 * len(sizes))]
+        for name, p in isa["paths"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{p['ms'][n]:.2f}" for n in sizes) + " | "
+                         + " | ".join(f"{p['r'][n]:.2f}" for n in sizes[1:]) + f" | {p['arith_ms_per_row']:.3f} |")
     lines += ["", f"These figures hold for {k['hardware']} only."]
     return "\n".join(lines) + "\n"
 

@@ -214,38 +214,50 @@ struct Q8Rows {
   int64_t blocks;
 };
 
-// One block of 32 inputs quantised: scalar code, rounded exactly as the vector code below would
-// (127 / amax and x * that, each rounded once; nearbyint in the default mode is nearest-even).
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const torch::TensorOptions& options) {
-  const int64_t blocks = K / kBlock;
-  auto storage = torch::empty({M, K}, options.dtype(torch::kInt8));
-  auto scales = torch::empty({2, M, blocks}, options.dtype(torch::kFloat32));
-  auto sums = torch::empty({M, blocks}, options.dtype(torch::kInt32));
-  int8_t* qp = storage.data_ptr<int8_t>();
-  float* dp = scales.data_ptr<float>();
-  float* sp = dp + M * blocks;
-  int32_t* np = sums.data_ptr<int32_t>();
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    const float* p = x + i * kBlock;  // rows are contiguous, so block i of the whole input
-    float amax = 0.f;
-    for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(p[t]));
-    const float d = amax / 127.f, inv = amax != 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int t = 0; t < kBlock; ++t) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(p[t] * inv));
-      qp[i * kBlock + t] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    dp[i] = d;
-    sp[i] = d * static_cast<float>(sum);
-    np[i] = sum;
+// One block of 32 inputs quantised: q (32 int8), its scale d; returns sum(q). The scalar code
+// (the reference path's) and the vector code round alike: amax the same maximum, 127 / amax and
+// x * that each rounded once, then to nearest-even (nearbyint in the default mode), the same bits.
+inline int32_t block_scalar(const float* p, int8_t* q, float* d) {
+  float amax = 0.f;
+  for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(p[t]));
+  const float inv = amax != 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int t = 0; t < kBlock; ++t) {
+    q[t] = static_cast<int8_t>(std::nearbyint(p[t] * inv));
+    sum += q[t];
   }
-  return {storage, scales, sums, qp, dp, sp, np, blocks};
+  *d = amax / 127.f;
+  return sum;
 }
 
-// The same quantisation 8 lanes at a time (the scalar reference keeps `quantize_rows`): amax the
-// same maximum, 127 / amax and x * that each rounded once, round-to-nearest-even, so the same bits.
-Q8Rows quantize_rows_avx2(const float* x, int64_t M, int64_t K, const torch::TensorOptions& options) {
+inline int32_t block_avx2(const float* p, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], mx = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(p + 8 * j);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+  __m256i n[4];
+  for (int j = 0; j < 4; ++j)
+    n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = amax / 127.f;
+  return _mm_cvtsi128_si32(s4);
+}
+
+// Every block of M rows of K inputs (`vector`: 8 lanes at a time; the scalar reference keeps the
+// scalar code, and the tests compare the two paths' outputs bit for bit).
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const torch::TensorOptions& options, bool vector) {
   const int64_t blocks = K / kBlock;
   auto storage = torch::empty({M, K}, options.dtype(torch::kInt8));
   auto scales = torch::empty({2, M, blocks}, options.dtype(torch::kFloat32));
@@ -254,33 +266,10 @@ Q8Rows quantize_rows_avx2(const float* x, int64_t M, int64_t K, const torch::Ten
   float* dp = scales.data_ptr<float>();
   float* sp = dp + M * blocks;
   int32_t* np = sums.data_ptr<int32_t>();
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    const float* p = x + i * kBlock;
-    __m256 v[4], mx = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(p + 8 * j);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4), d = amax / 127.f;
-    const __m256 inv = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    __m256i n[4];
-    for (int j = 0; j < 4; ++j)
-      n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
-    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
-    const int32_t total = _mm_cvtsi128_si32(s4);
-    dp[i] = d;
-    sp[i] = d * static_cast<float>(total);
-    np[i] = total;
+  for (int64_t i = 0; i < M * blocks; ++i) {  // rows are contiguous, so block i of the whole input
+    const int32_t sum = vector ? block_avx2(x + i * kBlock, qp + i * kBlock, dp + i) : block_scalar(x + i * kBlock, qp + i * kBlock, dp + i);
+    sp[i] = dp[i] * static_cast<float>(sum);
+    np[i] = sum;
   }
   return {storage, scales, sums, qp, dp, sp, np, blocks};
 }
@@ -566,7 +555,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const Packed& P, bool q8, int64_
     else
       linear_f32(xp, M, P.N, P.K, Q80Blocks{P}, yp);
   } else {
-    const Q8Rows A = isa == kIsaScalar ? quantize_rows(xp, M, P.K, x.options()) : quantize_rows_avx2(xp, M, P.K, x.options());
+    const Q8Rows A = quantize_rows(xp, M, P.K, x.options(), isa != kIsaScalar);
     if (isa == kIsaVnni)
       q41 ? q8_vnni<true>(P, A, M, yp) : q8_vnni<false>(P, A, M, yp);
     else if (isa == kIsaAvx2)

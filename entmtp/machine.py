@@ -25,9 +25,26 @@ def device_name(device: torch.device | None = None) -> str:
     return f"cpu {name}, {os.cpu_count()} cores"
 
 
+# The CPU features that decide which kernels run and what a tree row costs, as /proc/cpuinfo names them.
+VECTOR_FEATURES = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"), ("avx2", "AVX2"))
+
+
+def cpu_features() -> str:
+    """This CPU's vector features among `VECTOR_FEATURES` ("AVX-512 VNNI, AVX2"), or "" where
+    /proc/cpuinfo does not say."""
+    try:
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+    flags = set(line.partition(":")[2].split())
+    return ", ".join(name for flag, name in VECTOR_FEATURES if flag in flags)
+
+
 def hardware() -> str:
-    """One line naming this machine, for reports."""
-    return f"{device_name()}, torch threads {torch.get_num_threads()}"
+    """One line naming this machine for reports, its CPU's vector features included (the same
+    model name covers CPUs with and without AVX-512): the fit's fingerprint leaves them out."""
+    features = cpu_features() if not torch.cuda.is_available() else ""
+    return f"{device_name()}{f' ({features})' if features else ''}, torch threads {torch.get_num_threads()}"
 
 
 def fingerprint(model: torch.nn.Module, kernels_label: str) -> dict[str, Any]:

@@ -128,3 +128,13 @@ def test_new_vocab_without_init_is_one_line_and_exit_2(capsys, tiny_dir):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("entmtp: error:") and "--new-vocab" in lines[0], err
+
+
+def test_reports_name_the_cpus_vector_features():
+    """The same model name covers CPUs with and without AVX-512, so reports name the features."""
+    from entmtp.machine import cpu_features, hardware
+
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert ("AVX2" in cpu_features()) == ("avx2" in flags)
+    assert ("AVX-512 VNNI" in cpu_features()) == ("avx512_vnni" in flags)
+    assert f"({cpu_features()})" in hardware() if cpu_features() else "(" not in hardware()

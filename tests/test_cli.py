@@ -84,6 +84,18 @@ def test_module_entry_point_exits_2_without_traceback(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(__import__("entmtp.model.ext").model.ext.unavailable_reason() is not None, reason="no GGUF kernels here")
+def test_a_forced_instruction_set_this_cpu_lacks_is_one_line_and_exit_2():
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "entmtp", "generate", "--prompt", "Hi", "--max-new-tokens", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "ENTMTP_ISA": "amx_int9"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and "ENTMTP_ISA=amx_int9: this CPU runs scalar, avx2" in proc.stderr
+
+
 @pytest.mark.skipif(not __import__("entmtp.model.kernels").model.kernels.available("cpu", __import__("torch").float32),
                     reason="PyTorch without oneDNN: no packed kernels to time")
 def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):

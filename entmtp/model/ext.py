@@ -109,6 +109,10 @@ def extension_error() -> str | None:
     return _state.get("error")
 
 
+class IsaError(ValueError):
+    """`ENTMTP_ISA` names a path this CPU cannot run."""
+
+
 def isa() -> str:
     """The instruction-set path the Q8 products take here: `ENTMTP_ISA` where set (it must be one
     this CPU runs), else the first of `VERIFIED_ISAS` it runs, else the scalar reference."""
@@ -117,6 +121,6 @@ def isa() -> str:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:
         if forced not in runnable:
-            raise ValueError(f"{ISA_ENV}={forced}: this CPU runs {', '.join(runnable)}")
+            raise IsaError(f"{ISA_ENV}={forced}: this CPU runs {', '.join(runnable)}")
         return forced
     return next((name for name in VERIFIED_ISAS if name in runnable), "scalar")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from entmtp.model import serve
+from entmtp.model.ext import IsaError
 from entmtp.config import (
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
@@ -210,7 +211,10 @@ def load_model(cfg: ModelConfig = ModelConfig(), weights: Weights | None = None)
         raise LoadError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     if "device_map" not in kwargs:
         model.to(device)
-    serve.serve(model, cfg.kernels, weights.gguf)
+    try:
+        serve.serve(model, cfg.kernels, weights.gguf)
+    except IsaError as e:
+        raise LoadError(str(e)) from None
     return model.eval(), tok
 
 

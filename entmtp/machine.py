@@ -11,18 +11,27 @@ from typing import Any
 import torch
 
 
+def cpu_info() -> tuple[str, list[str]]:
+    """(model name, feature flags) of this CPU as /proc/cpuinfo gives them for its first processor;
+    the platform's name and no flags where it says nothing."""
+    name, named, flags = platform.processor() or platform.machine(), False, []
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return name, flags
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not named:
+            name, named = value.strip(), True
+        elif key.strip() in ("flags", "Features") and not flags:
+            flags = value.split()
+    return name, flags
+
+
 def device_name(device: torch.device | None = None) -> str:
     if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
         return f"cuda {torch.cuda.get_device_name(device if device is not None else 0)}"
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu {name}, {os.cpu_count()} cores"
+    return f"cpu {cpu_info()[0]}, {os.cpu_count()} cores"
 
 
 # The CPU features that decide which kernels run and what a tree row costs, as /proc/cpuinfo names them.
@@ -32,11 +41,7 @@ VECTOR_FEATURES = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_v
 def cpu_features() -> str:
     """This CPU's vector features among `VECTOR_FEATURES` ("AVX-512 VNNI, AVX2"), or "" where
     /proc/cpuinfo does not say."""
-    try:
-        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return ""
-    flags = set(line.partition(":")[2].split())
+    flags = set(cpu_info()[1])
     return ", ".join(name for flag, name in VECTOR_FEATURES if flag in flags)
 
 

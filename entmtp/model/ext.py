@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from entmtp.machine import cpu_info
+
 GGUF_ENV = "ENTMTP_GGUF_KERNELS"  # 0/false/off/no: serve without the GGUF kernels
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp", "layers.cpp")]
 # AVX2 is the floor the extension is built for; the AVX-512 VNNI kernels carry their own target
@@ -51,19 +53,9 @@ def cpu_key() -> str:
     """A short hash of this CPU's model name and feature flags: the extension is built and cached
     per key, so a build made for one CPU never loads on another."""
     import hashlib
-    import platform
 
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
-                model = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    return hashlib.sha256(f"{model}|{flags}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+    model, flags = cpu_info()
+    return hashlib.sha256(f"{model}|{' '.join(sorted(flags))}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
 
 
 NAME = f"entmtp_gguf_{cpu_key()}"

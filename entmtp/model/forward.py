@@ -70,8 +70,3 @@ def prepare(cache, n: int) -> None:
     request captures mid-decode (a dynamic cache needs nothing)."""
     if isinstance(cache, graphs.SlotCache):
         cache.slot.prepare(n)
-
-
-def length(cache) -> int:
-    """Entries the cache holds."""
-    return cache.get_seq_length()

@@ -398,16 +398,8 @@ inline void group_avx2(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, 
 template <bool kQ41>
 void q8_avx2(const Packed& P, const Q8Rows& A, int64_t M, float* y) {
   at::parallel_for(0, P.groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) group_avx2<4, kQ41>(P, A, g, r, y);
-      switch (M - r) {
-        case 3: group_avx2<3, kQ41>(P, A, g, r, y); break;
-        case 2: group_avx2<2, kQ41>(P, A, g, r, y); break;
-        case 1: group_avx2<1, kQ41>(P, A, g, r, y); break;
-        default: break;
-      }
-    }
+    for (int64_t g = g0; g < g1; ++g)
+      row_groups<4>(M, [&](auto rows, int64_t r) { group_avx2<decltype(rows)::value, kQ41>(P, A, g, r, y); });
   });
 }
 
@@ -483,16 +475,8 @@ inline void tile_vnni(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, f
 }
 
 template <int V, bool kQ41>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 inline void rows_vnni(const Packed& P, const Q8Rows& A, int64_t M, int64_t g, float* y) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) tile_vnni<4, V, kQ41>(P, A, g, r, y);
-  switch (M - r) {
-    case 3: tile_vnni<3, V, kQ41>(P, A, g, r, y); break;
-    case 2: tile_vnni<2, V, kQ41>(P, A, g, r, y); break;
-    case 1: tile_vnni<1, V, kQ41>(P, A, g, r, y); break;
-    default: break;
-  }
+  row_groups<4>(M, [&](auto rows, int64_t r) { tile_vnni<decltype(rows)::value, V, kQ41>(P, A, g, r, y); });
 }
 
 template <bool kQ41>

@@ -30,11 +30,7 @@ def compare(model: nn.Module, sizes: tuple[int, ...], context: int, reps: int, w
     alternating, so drift of the machine hits both alike."""
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape
-    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-    context = max(1, min(context, limit - max(sizes) - 1))
-    g = torch.Generator().manual_seed(0)
-    cache = kv.new_cache(model.config)
-    forward.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    context, cache, g = _prefilled(model, context, max(sizes))
     linears = {"packed": _linears(model, as_served=True), "stock": _linears(model)}
     inputs = {n: {f: torch.randn(n, f, generator=g, dtype=head.weight.dtype) for f in {m.in_features for m in linears["stock"]}}
               for n in sizes}
@@ -65,6 +61,17 @@ def compare(model: nn.Module, sizes: tuple[int, ...], context: int, reps: int, w
         {"nodes": n, **{what: {kind: med[(what, kind, n)] for kind in ("packed", "stock")}
                         for what in ("verify_ms", "lm_head_ms", "linears_ms")}}
         for n in sizes]}
+
+
+def _prefilled(model: nn.Module, context: int, largest: int) -> tuple[int, object, torch.Generator]:
+    """(context, a KV cache holding that many random tokens, the seeded generator that drew them):
+    what a verification of up to `largest` rows is timed over; `context` shrinks to fit the model."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    context = max(1, min(context, int(getattr(model.config, "max_position_embeddings", 1 << 30)) - largest - 1))
+    g = torch.Generator().manual_seed(0)
+    cache = kv.new_cache(model.config)
+    forward.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    return context, cache, g
 
 
 def _linears(model: nn.Module, as_served: bool = False) -> list[nn.Module]:
@@ -153,10 +160,7 @@ def isa_rows(model: nn.Module, rows: tuple[int, ...], context: int, reps: int, w
     before = layers[0].isa
     paths = [p for p in extension().isas() if p != "scalar"]
     vocab = model.get_output_embeddings().out_features
-    context = max(1, min(context, int(getattr(model.config, "max_position_embeddings", 1 << 30)) - max(rows) - 1))
-    g = torch.Generator().manual_seed(0)
-    cache = kv.new_cache(model.config)
-    forward.forward(model, cache, torch.randint(vocab // 8, vocab, (1, context), generator=g), torch.arange(context)[None], None)
+    context, cache, g = _prefilled(model, context, max(rows))
     trees = {n: compile_tree(chain_paths(n - 1), f"chain{n}") for n in rows}
     tokens = {n: torch.randint(vocab // 8, vocab, (n,), generator=g) for n in rows}
     times: dict[tuple[str, int], list[float]] = {}

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, badge, bank_for, bank_view,
-                             needs_fit, start, tree_view, validate)
+from entmtp.app import gpu
+from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_trees,
+                             bank_view, tree_view, validate)
+from entmtp.app.service import Service, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.figures import plots
 from entmtp.runtime.weights import LoadError
 from entmtp.spec.engine import GenerationError
-from entmtp.spec.policy import TauPolicy
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
 EXAMPLES = [
@@ -77,51 +78,62 @@ def tree_plot(view: dict | None):
 # -- the race ------------------------------------------------------------------------------------
 
 
-def _progress(progress: gr.Progress):
-    return lambda it, desc, total: progress.tqdm(it, desc=f"fitting the bank to this machine: {desc}", total=total)
+def make_race(service: Service):
+    models = service.models
 
-
-def make_race(cfg: AppConfig, models: Models):
     def race(prompt, task, policy, baseline, max_new_tokens, temperature,
-             model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5, progress=gr.Progress()):
+             model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5):
+        def status(text):
+            return (gr.skip(),) * 6 + (f"<span class='badge running'>{text}</span>",) + (gr.skip(),) * 7
+
         try:
             req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
+            models.check(model)
+            for text in service.wait_ready():
+                yield status(text)
+            if models.loaded(model) is None:
+                yield status("loading this model (once)…")
             rt = models.get(model)
-            if needs_fit(rt, req.task):
-                yield (gr.skip(),) * 6 + ("<span class='badge running'>fitting the bank to this machine… "
-                                          "(timing each tree once; later races start at once)</span>",) + (gr.skip(),) * 7
-            bank = bank_for(rt, req.task, _progress(progress))
-            ent, base, pol = start(rt, req, bank, models.runtime_lock(model))
+            trees = bank_trees(rt, req.task)
+            service.queue_fit(model, req.task)
         except RaceError as e:
             raise gr.Error(str(e), title=e.title) from None
         except (LoadError, GenerationError, ValueError) as e:
             raise gr.Error(str(e), title="Cannot run this race") from None
-        tau = (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) and pol.small != pol.large else None
-        last_chart = 0.0
-        while not (ent.done and base.done):
-            # one step of each side per iteration: both stream at once, each timed on its own clock
-            for side in (ent, base):
-                if not side.done:
-                    side.advance(rt)
-            finished = ent.done and base.done
-            charts = finished or time.perf_counter() - last_chart > CHART_EVERY_S
-            view = tree_view(rt, bank, ent.records[-1]) if charts else None
-            sides = {ent.name: ent.records, base.name: base.records}
-            yield (
-                ent.text, base.text, ent.spans, base.spans, ent.stats(base), base.stats(),
-                badge(ent, base, req.temperature),
-                plots.race_figure(sides) if charts else gr.skip(),
-                plots.accepted_figure(sides) if charts else gr.skip(),
-                plots.features_figure(ent.records, tau, pol.feature, depth=pol.depth or bank.max_depth) if charts else gr.skip(),
-                plots.usage_figure(ent.records) if charts else gr.skip(),
-                tree_plot(view) if charts else gr.skip(),
-                gr.update(maximum=max(2, len(ent.records)), value=len(ent.records), interactive=finished) if finished else gr.skip(),
-                [tree_view(rt, bank, r) for r in ent.records] if finished else gr.skip(),
-            )
-            if charts:
-                last_chart = time.perf_counter()
+        steps = race_steps(service.key, req, model)
+        try:
+            head = next(steps)
+            if gpu.zero_gpu():
+                gpu.remember(head["fingerprint"])
+            ent, base = Side(head["names"][0]), Side(head["names"][1])
+            pol = head["policy"]
+            shipped = "" if head["fitted"] else ("  \n<small>⚠️ with the bank's shipped fit: this machine's fit is "
+                                                 "being measured in the background (Bank tab)</small>")
+            last_chart = 0.0
+            for update in steps:
+                ent.apply(update["sides"][0])
+                base.apply(update["sides"][1])
+                finished = ent.done and base.done
+                charts = finished or time.perf_counter() - last_chart > CHART_EVERY_S
+                view = tree_view(rt, trees, ent.records[-1]) if charts and ent.records else None
+                sides = {ent.name: ent.records, base.name: base.records}
+                yield (
+                    ent.text, base.text, ent.spans, base.spans, ent.stats(base) + shipped, base.stats(),
+                    badge(ent, base, req.temperature),
+                    plots.race_figure(sides) if charts else gr.skip(),
+                    plots.accepted_figure(sides) if charts else gr.skip(),
+                    plots.features_figure(ent.records, pol["tau"], pol["feature"], depth=pol["depth"]) if charts else gr.skip(),
+                    plots.usage_figure(ent.records) if charts else gr.skip(),
+                    tree_plot(view) if charts else gr.skip(),
+                    gr.update(maximum=max(2, len(ent.records)), value=len(ent.records), interactive=finished) if finished else gr.skip(),
+                    [tree_view(rt, trees, r) for r in ent.records] if finished else gr.skip(),
+                )
+                if charts:
+                    last_chart = time.perf_counter()
+        finally:
+            steps.close()  # a Stop closes this generator: the device work ends with it
 
-    return spaces.GPU(duration=180)(race) if spaces is not None else race
+    return race
 
 
 def show_step(views, step):
@@ -189,8 +201,11 @@ CSS = """
 """
 
 
-def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None) -> gr.Blocks:
-    models = models or cfg.registry()
+def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, service: Service | None = None) -> gr.Blocks:
+    """The page. Without `service`, one for `models` (default: the config's) is made and started:
+    the model loads in the background while the page is served."""
+    service = service or Service(models or cfg.registry()).start()
+    models = service.models
     with gr.Blocks(title="EntMTP: entropy-guided speculative decoding") as demo:
         gr.Markdown(
             "# EntMTP: pick the draft tree every step\n"
@@ -198,7 +213,9 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None) -> gr
             "draft tree per step from a bank fitted to the machine it runs on; the baseline (right) always "
             f"verifies one tree. Model: `{cfg.model}`. Highlighted tokens came from accepted drafts."
         )
-        weights_note = gr.Markdown("<small>weights: loading…</small>")
+        weights_note = gr.Markdown("<small>start-up: loading…</small>")
+        timer = gr.Timer(1.0)  # refreshes the start-up and fit status while either is under way
+        busy = gr.State(True)
         views = gr.State(None)
         with gr.Tab("Race"):
             with gr.Row(equal_height=False):
@@ -265,23 +282,33 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None) -> gr
         outputs = [ent_text, base_text, ent_hl, base_hl, ent_stats, base_stats, out_badge,
                    race_plot, acc_plot, feat_plot, usage_plot, tree_out, step, views]
         race_inputs = [prompt, task, policy, baseline, max_new, temperature, model, seed, custom_tau, tau_on, tau_off]
-        event = run.click(make_race(cfg, models), race_inputs, outputs, api_name="race",
+        event = run.click(make_race(service), race_inputs, outputs, api_name="race",
                           concurrency_limit=cfg.concurrency, concurrency_id="race")
         stop.click(None, None, None, cancels=[event])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 
         def show(task, model):
-            note, fig, rows, on, off = bank_view(models, task, model)
+            try:
+                fit = service.fit_status(model, task)
+            except RaceError:
+                fit = ""
+            note, fig, rows, on, off = bank_view(models, task, model, fit)
             return note, note, fig, rows, on, off
 
-        def do_refit(task, model, progress=gr.Progress()):
-            note, fig, rows, on, off = bank_view(models, task, model, refit=True, progress=_progress(progress))
-            return note, note, fig, rows, on, off
+        def do_refit(task, model):
+            try:
+                service.fit(model, [task], "refit")
+            except RaceError as e:
+                raise gr.Error(str(e), title=e.title) from None
+            except LoadError as e:
+                raise gr.Error(str(e), title="Cannot fit the bank") from None
+            return show(task, model)
 
         bank_outputs = [bank_info, bank_note_md, front, table, tau_on, tau_off]
         for trigger in (task.change, model.blur, demo.load, event.then):
             trigger(show, [task, model], bank_outputs, api_visibility="private")
-        refit.click(do_refit, [task, model], bank_outputs, api_visibility="private", concurrency_id="race")
+        refit.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private").then(
+            do_refit, [task, model], bank_outputs, api_visibility="private", concurrency_id="race")
 
         def tau_controls(policy):  # the τ override exists for the τ policy only
             on = policy == "tau"
@@ -289,21 +316,41 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None) -> gr
 
         policy.change(tau_controls, policy, custom_tau, api_visibility="private")
 
-        def weights(model):
-            rt = models.loaded(model)
-            return f"<small>weights: {rt.weights}</small>" if rt else "<small>weights: loaded with the first race</small>"
+        def status_line(model) -> tuple[str, bool]:
+            """What the page's process is doing (start-up, background fits), and whether it is busy."""
+            try:
+                name = models.check(model)
+            except RaceError:
+                name = models.default
+            rt = models.loaded(name)
+            if not service.ready.is_set():
+                parts = [f"start-up: {service.status}"]
+            elif service.error:
+                parts = [f"❌ {service.status}"]
+            else:
+                parts = [f"weights: {rt.weights}" if rt else "weights: loaded with this model's first race"]
+            fits = [f"`{task}` {st}" for (m, task), st in sorted(service.fits.items()) if m == name]
+            if fits:
+                parts.append("fitting the banks to this machine: " + "; ".join(fits))
+            working = not service.ready.is_set() or any(not f.startswith("failed") for f in service.fits.values())
+            return "<small>" + " · ".join(parts) + "</small>", working
 
+        def tick(task, model, was_busy):
+            line, working = status_line(model)
+            refresh = show(task, model) if was_busy and not working else (gr.skip(),) * len(bank_outputs)
+            return line, working, gr.Timer(active=working), *refresh
+
+        timer.tick(tick, [task, model, busy], [weights_note, busy, timer, *bank_outputs], api_visibility="private", show_progress="hidden")
         for trigger in (demo.load, event.then):
-            trigger(weights, model, weights_note, api_visibility="private")
+            trigger(lambda: (True, gr.Timer(active=True)), None, [busy, timer], api_visibility="private")
     return demo
 
 
 CONFIG = AppConfig.from_env()
-MODELS = CONFIG.registry()
-if spaces is not None:  # ZeroGPU: load model and heads at start-up, outside the GPU-decorated race
-    _rt = MODELS.get(None)
-    _rt.heads("hydra"), _rt.heads("medusa")
-demo = build_demo(CONFIG, MODELS)
+SERVICE = Service(CONFIG.registry())
+if gpu.zero_gpu():  # the model must be on the (emulated) device before launch: load it now, on this thread
+    SERVICE.start()
+demo = build_demo(CONFIG, service=SERVICE)
 
 
 def launch(app: gr.Blocks = demo, **kwargs):
@@ -312,7 +359,6 @@ def launch(app: gr.Blocks = demo, **kwargs):
 
 
 if __name__ == "__main__":
-    print(f"loading {CONFIG.model}…", flush=True)
-    _rt = MODELS.get(None)  # load before serving, so the first race does not wait for it
-    print(f"weights: {_rt.weights}", flush=True)
+    print(f"serving at once; loading {CONFIG.model} in the background…", flush=True)
+    SERVICE.start()
     launch()

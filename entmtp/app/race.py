@@ -7,12 +7,14 @@ the badge that says what was checked. `app.py` only lays out the page and wires 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
+from entmtp.app import gpu
 from entmtp.figures import plots
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import ceiling_text, through_heads
@@ -90,6 +92,28 @@ def validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed=0
     return Request(prompt.strip(), task, policy, baseline, int(n), t, int(s), tau)
 
 
+# -- locks made in the process that uses them -----------------------------------------------------
+
+
+_made = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().update(_made=threading.Lock()))
+
+
+class PerProcess:
+    """A lock (or any object `make` builds) made in the process that uses it: a forked process (a
+    ZeroGPU worker) makes its own instead of using a copy, which another thread of the parent may
+    have held at the fork and nobody would ever release."""
+
+    def __init__(self, make: Callable[[], Any] = threading.Lock):
+        self._make, self._pid, self._obj = make, None, None
+
+    def get(self) -> Any:
+        with _made:
+            if self._pid != os.getpid():
+                self._obj, self._pid = self._make(), os.getpid()
+            return self._obj
+
+
 # -- models: an allow-list, one load per model, never blocking another model's races ------------
 
 
@@ -98,7 +122,8 @@ class Models:
 
     Each model has its own load lock, so a slow first load (a hub download) of one model does not
     hold up races on another that is already loaded; each loaded runtime comes with its own lock
-    (`runtime_lock`), held while a race sets up on it (its heads load lazily).
+    (`runtime_lock`), held while a race sets up on it (its heads load lazily). Every lock is made
+    in the process that takes it (`PerProcess`).
     """
 
     def __init__(self, default: str, allowed: tuple[str, ...], hydra_heads: str | None = None,
@@ -107,9 +132,9 @@ class Models:
         self.heads = {"hydra": hydra_heads, "medusa": medusa_heads}
         self.fit_mode = fit_mode
         self._runtimes: dict[str, Runtime] = {}
-        self._runtime_locks: dict[str, threading.Lock] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+        self._runtime_locks: dict[str, PerProcess] = {}
+        self._locks: dict[str, PerProcess] = {}
+        self._guard = PerProcess()
 
     def check(self, model: str | None) -> str:
         name = (model or "").strip() or self.default
@@ -119,8 +144,8 @@ class Models:
         return name
 
     def lock(self, name: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(name, threading.Lock())
+        with self._guard.get():
+            return self._locks.setdefault(name, PerProcess()).get()
 
     def get(self, model: str | None) -> Runtime:
         name = self.check(model)
@@ -131,7 +156,8 @@ class Models:
                 own = name == self.default  # head paths from the environment apply to the app's own model
                 rt = load_runtime(ModelConfig(model=name), self.heads["hydra"] if own else None,
                                   self.heads["medusa"] if own else None, fit_mode=self.fit_mode)
-                self._runtime_locks[name] = threading.Lock()
+                rt.fingerprint_from = gpu.page_fingerprint
+                self._runtime_locks[name] = PerProcess()
                 self._runtimes[name] = rt
         return self._runtimes[name]
 
@@ -140,7 +166,7 @@ class Models:
 
     def runtime_lock(self, model: str | None) -> threading.Lock:
         """The lock of a loaded model's runtime (`get` it first)."""
-        return self._runtime_locks[self.check(model)]
+        return self._runtime_locks[self.check(model)].get()
 
 
 # -- banks -------------------------------------------------------------------------------------
@@ -164,12 +190,24 @@ def has_bank(rt: Runtime | str, task: str) -> bool:
     return bank_path(rt.name, task, rt.banks_dir).exists()
 
 
-def bank_for(rt: Runtime, task: str, progress: Callable | None = None) -> TopologyBank:
-    """The task's bank under this machine's fit (fitted now, once, if needed); the fallback if none."""
+def bank_for(rt: Runtime, task: str, progress: Callable | None = None, mode: str | None = None,
+             turn: Callable | None = None) -> TopologyBank:
+    """The task's bank under the fit `mode` asks for (default: the runtime's; fitted now, once, if
+    needed); the fallback if none."""
     if not has_bank(rt, task):
         return fallback_bank()
     try:
-        return rt.banks([task], progress)[task]
+        return rt.banks([task], progress, mode, turn)[task]
+    except LoadError as e:
+        raise RaceError(str(e)) from None
+
+
+def bank_trees(rt: Runtime, task: str) -> TopologyBank:
+    """The task's bank as its file has it (the trees are the same under every fit): never times anything."""
+    if not has_bank(rt, task):
+        return fallback_bank()
+    try:
+        return resolve_bank(rt.name, task, rt.banks_dir)
     except LoadError as e:
         raise RaceError(str(e)) from None
 
@@ -185,7 +223,8 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
         return (f"⚠️ **Built-in fallback bank** (4 small trees, thresholds not calibrated): no `{task}` bank for "
                 f"`{rt.name}` yet. Build one with `python -m entmtp build-bank --task {task}`.")
     fit = bank.fit
-    where = "fitted to **this machine**" if rt.fitted_here(task) else "⚠️ shipped fit, measured on **another machine**"
+    where = ("fitted to **this machine**" if fit.get("fingerprint") == rt.fingerprint
+             else "⚠️ shipped fit, measured on **another machine**")
     degenerate = "; ".join(f"{k} {v}" for k, v in fit.get("degenerate", {}).items())
     return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
             f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
@@ -215,15 +254,18 @@ def entmtp_policy(bank: TopologyBank, req: Request) -> tuple[Policy, str]:
 
 @dataclass
 class Side:
-    """A generator of step records plus what the page shows of it."""
+    """A generator of step records plus what the page shows of it. Where the steps run (a ZeroGPU
+    worker) the side sends `delta()`s; the page's copy (no steps) takes them in with `apply`."""
 
     name: str
-    steps: Iterator[StepRecord]
+    steps: Iterator[StepRecord] | None = None
     records: list[StepRecord] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     text: str = ""
     spans: list[tuple[str, str | None]] = field(default_factory=list)  # (text, "accepted draft" or None)
     done: bool = False
+    cut: str = ""  # why the race ended this side early, if it did
+    _sent: tuple[int, int, int] = (0, 0, 0)  # records, ids and spans already in a delta
 
     def advance(self, rt: Runtime) -> None:
         rec = next(self.steps)
@@ -239,6 +281,26 @@ class Side:
                 self.spans.append((full[len(with_root):], "accepted draft"))
             self.text = full
         self.done = rec.finished
+
+    def stop(self, why: str) -> None:
+        """End this side before its generator did (Stop, or the GPU time asked for ran out)."""
+        if not self.done:
+            self.done, self.cut = True, why
+        if self.steps is not None:
+            self.steps.close()
+
+    def delta(self) -> dict[str, Any]:
+        """What changed since the last delta, as plain picklable data (no tensor, no model object)."""
+        r, i, s = self._sent
+        self._sent = (len(self.records), len(self.ids), len(self.spans))
+        return {"records": self.records[r:], "ids": self.ids[i:], "spans": self.spans[s:], "text": self.text,
+                "done": self.done, "cut": self.cut}
+
+    def apply(self, delta: dict[str, Any]) -> None:
+        self.records += delta["records"]
+        self.ids += delta["ids"]
+        self.spans += delta["spans"]
+        self.text, self.done, self.cut = delta["text"], delta["done"], delta["cut"]
 
     @property
     def seconds(self) -> float:
@@ -258,7 +320,7 @@ class Side:
         if other is not None and other.tokens_per_s > 0:
             line += f" · **{self.tokens_per_s / other.tokens_per_s:.2f}×** baseline"
         detail = (f"{len(self.ids)} tokens in {steps} steps, {self.seconds:.2f} s "
-                  f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.records[-1].stop_reason}" if self.done else ""))
+                  f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.cut or self.records[-1].stop_reason}" if self.done else ""))
         return f"{head}{line}  \n<small>{detail}</small>"
 
 
@@ -285,8 +347,10 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
         base_s = rt.strategy(req.baseline, req.task)
         if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
             # the first forward of each new shape builds kernels: keep that off both clocks
-            rt.engine.warmup([t.n_nodes for t in (*bank.trees, *base_s.trees)])
-            rt.engine.warmup_drafts(ent_s.heads, bank.trees)
+            # only the trees this race can verify: a cold GPU worker captures no graph it will not use
+            picks = [bank.trees[i] for i in sorted(policy_trees(policy))]
+            rt.engine.warmup(sorted({t.n_nodes for t in (*picks, *base_s.trees)}))
+            rt.engine.warmup_drafts(ent_s.heads, picks)
             rt.engine.warmup_drafts(base_s.heads, base_s.trees)
     ids = rt.encode(req.prompt)
     if len(ids) > MAX_PROMPT_TOKENS or len(ids) + req.max_new_tokens > rt.engine.max_positions:
@@ -321,36 +385,37 @@ def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
     return 0.8, 0.5
 
 
-def bank_view(models: Models, task: str, model: str | None, refit: bool = False, progress=None):
+def bank_view(models: Models, task: str, model: str | None, status: str = ""):
     """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column.
 
-    Never times anything unless `refit`: a bank not yet fitted here shows its shipped fit, labelled so.
+    Never times anything: a bank not yet fitted here shows its shipped fit, labelled so, with
+    `status` (what the background fit is doing) when there is one.
     """
     try:
         name = models.check(model)
         rt = models.loaded(name)
-        if rt is None or (not refit and has_bank(rt, task) and rt.needs_calibration(task)):
+        if rt is None or (has_bank(rt, task) and rt.needs_calibration(task)):
             bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
             hw = bank.fit.get("hardware", "?")
             note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
-                    f"{bank.fit.get('date', '')}). The first race on this task fits it to this machine (or press Refit).")
+                    f"{bank.fit.get('date', '')}). Races use it until this machine's fit is measured"
+                    f"{f' ({status})' if status else ' (in the background after the start, or press Refit)'}.")
             if bank.meta.get("fallback"):
                 note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
         else:
-            if refit and has_bank(rt, task):
-                rt.banks([task], progress, mode="refit")
             bank = bank_for(rt, task)
             note = bank_note(rt, task, bank)
     except (RaceError, LoadError) as e:
         return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
     rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
-             "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in _policy_trees(p))]
+             "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in policy_trees(p))]
             for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
     on, off = tau_defaults(bank)
     return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
 
 
-def _policy_trees(pol) -> set[int]:
+def policy_trees(pol) -> set[int]:
+    """The indices of the bank trees a policy can pick."""
     if isinstance(pol, StaticPolicy):
         return {pol.tree}
     if isinstance(pol, LadderPolicy):

@@ -11,9 +11,10 @@ import json
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -31,8 +32,11 @@ def tree_key(tree: Tree) -> str:
     return json.dumps(tree.as_lists())
 
 
+Turn = Callable[[], ContextManager]  # entered around each block of timed work: the machine is ours inside
+
+
 def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
-                  progress: Progress | None = None) -> tuple[dict[str, float], float]:
+                  progress: Progress | None = None, turn: Turn = nullcontext) -> tuple[dict[str, float], float]:
     """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
 
     Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
@@ -44,7 +48,8 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     one: on the AMD EPYC that made one token 9.3–11.6 ms instead of 8.8 and the 4-node tree 1.8×
     it instead of 2.1×, and a τ switching to 4 nodes measured 5–11% under its static tree.) One
     short untimed round first. EOS is ignored so every round takes its steps; the token values do
-    not change the cost.
+    not change the cost. Each block runs inside `turn()`: a server lets its races in between blocks,
+    never within one (a block's first step is untimed, so a pause costs no accuracy).
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
     vocab = engine.model.get_output_embeddings().weight.shape[0]
@@ -64,10 +69,11 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
         n = (blocks * run if r else cfg.warm_steps) * len(unique)
         records = []
         steps = timer.generate(ids, strategy, GenerationConfig(max_new_tokens=room))
-        for rec in steps:
-            records.append(rec)
-            if len(records) == n:
-                break
+        block = [None]
+        while block and len(records) < n:
+            with turn():
+                block = list(itertools.islice(steps, min(run, n - len(records))))
+            records += block
         steps.close()
         if r:  # round 0 warms caches and allocators
             for i, rec in enumerate(records):
@@ -138,12 +144,13 @@ def save_fit(path: Path, fit: dict[str, Any]) -> None:
 
 def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
               cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
-              progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+              progress: Progress | None = None, turn: Turn = nullcontext) -> dict[str, dict[str, Any]]:
     """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
     t0 = time.perf_counter()
     trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
-    costs, prefill = measure_costs(engine, heads, trees, cfg, progress)
-    chain = measure_chain(heads, max(t.max_depth for t in trees))
+    costs, prefill = measure_costs(engine, heads, trees, cfg, progress, turn)
+    with turn():
+        chain = measure_chain(heads, max(t.max_depth for t in trees))
     measured_s = time.perf_counter() - t0
     out = {}
     for task, bank in banks.items():
@@ -171,7 +178,7 @@ def known_fit(bank: TopologyBank, fp: dict[str, Any], cache_root: Path, mode: st
 
 def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any], cache_root: Path,
                  mode: str = "auto", cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
-                 progress: Progress | None = None) -> dict[str, TopologyBank]:
+                 progress: Progress | None = None, turn: Turn = nullcontext) -> dict[str, TopologyBank]:
     """Each bank under the fit for this machine.
 
     mode "shipped": the fit saved in the bank file, wherever it was measured. "auto": the file's
@@ -190,7 +197,7 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
         if out[task] is None:
             missing[task] = bank
     if missing:
-        for task, fit in time_and_fit(engine, heads, missing, fp, cfg, baseline, progress).items():
+        for task, fit in time_and_fit(engine, heads, missing, fp, cfg, baseline, progress, turn).items():
             save_fit(fit_cache_file(cache_root, missing[task], fp), fit)
             out[task] = missing[task].with_fit(fit)
     return out

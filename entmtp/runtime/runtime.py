@@ -3,6 +3,7 @@ engine's decode loop or transformers `generate`) on one loaded model, with its f
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,9 @@ class Runtime:
     cache_root: Path | None = None  # where this machine's fits are cached (None: the model cache root)
     progress: Any = None  # progress(iterable, desc, total) for a calibration run
     load_s: float = 0.0  # seconds the start took: weights, kernels (built or loaded), model
+    # () -> the fingerprint to key fits by, or None to take this process's own: a process that cannot
+    # see the device (ZeroGPU's page process) names the one its GPU worker measured
+    fingerprint_from: Any = None
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
@@ -133,24 +137,35 @@ class Runtime:
 
     @property
     def fingerprint(self) -> dict[str, Any]:
+        named = self.fingerprint_from() if self.fingerprint_from is not None else None
+        if named is not None:
+            return named
         graphs = self.engine.graphs
         label = serve.label(self.model) + ("" if graphs is None else "+cuda-graphs" + ("-compiled" if graphs.compile else ""))
         return fingerprint(self.model, label)
 
-    def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None) -> dict[str, TopologyBank]:
+    def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None, turn: Any = None) -> dict[str, TopologyBank]:
         """The tasks' banks under the fit `mode` (default: `fit_mode`) asks for; tasks that need
-        calibrating are timed together. mode "refit" measures again and replaces the loaded fits."""
+        calibrating are timed together (each block of timing inside `turn()`, see
+        `calibrate.measure_costs`). mode "refit" measures again and replaces the loaded fits;
+        mode "shipped" where `fit_mode` is not gives the bank files' fits without keeping them."""
         mode = mode or self.fit_mode
-        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks) if t not in self._banks or mode == "refit"}
-        if need:
-            if not self._trees:
-                self._trees = load_named_trees(TREES_FILE)
-            try:
-                self._banks.update(resolve_fits(
-                    self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or cache_root(ModelConfig()),
-                    mode, self.calibrate_config, self._trees[BASELINE_TREE], progress or self.progress))
-            except BankError as e:
-                raise LoadError(str(e)) from None
+        keep = mode != "shipped" or self.fit_mode == "shipped"
+        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks)
+                if t not in self._banks or mode == "refit" or not keep}
+        if not need:
+            return {t: self._banks[t] for t in tasks}
+        if not self._trees:
+            self._trees = load_named_trees(TREES_FILE)
+        try:
+            got = resolve_fits(self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or cache_root(ModelConfig()),
+                               mode, self.calibrate_config, self._trees[BASELINE_TREE], progress or self.progress,
+                               turn or contextlib.nullcontext)
+        except BankError as e:
+            raise LoadError(str(e)) from None
+        if not keep:
+            return {t: got.get(t) or self._banks[t] for t in tasks}
+        self._banks.update(got)
         return {t: self._banks[t] for t in tasks}
 
     def needs_calibration(self, task: str) -> bool:
@@ -161,8 +176,15 @@ class Runtime:
         return known_fit(bank, self.fingerprint, self.cache_root or cache_root(ModelConfig()), self.fit_mode) is None
 
     def fitted_here(self, task: str) -> bool:
-        """Whether the task's bank is fitted to this machine (not the shipped fit of another one)."""
-        return self.bank(task).fit.get("fingerprint") == self.fingerprint
+        """Whether the task's bank has a fit measured on this machine (never times anything)."""
+        fit = self._banks[task].fit if task in self._banks else known_fit(
+            resolve_bank(self.name, task, self.banks_dir), self.fingerprint, self.cache_root or cache_root(ModelConfig()), self.fit_mode)
+        return fit is not None and fit.get("fingerprint") == self.fingerprint
+
+    def adopt_fits(self, fits: dict[str, dict[str, Any]]) -> None:
+        """Use fits measured elsewhere for this model's banks (by task): a GPU worker's, on ZeroGPU."""
+        for task, fit in fits.items():
+            self._banks[task] = resolve_bank(self.name, task, self.banks_dir).with_fit(fit)
 
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""

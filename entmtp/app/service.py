@@ -1,0 +1,263 @@
+"""The work behind the page: the start-up (the page is served at once while the model loads), this
+machine's bank fits (measured in the background, giving way to races), and the device work of a
+race or a fit, run through `gpu.on_gpu` so that on a ZeroGPU Space it happens in the GPU worker.
+
+A race at the page: `Service.wait_ready` (progress messages while the model loads), then
+`race_steps`, whose yields are plain data (`Side.delta`), at most YIELDS_PER_S a second; the page
+builds its figures from them. Before this machine's fit of the task's bank exists, a race runs
+with the bank file's shipped fit (and says so) while the fit is measured in the background.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import gradio as gr
+
+from entmtp.app import gpu
+from entmtp.app.race import (Models, PerProcess, RaceError, Request, bank_for, bank_note, has_bank, start)
+from entmtp.config import TASKS
+from entmtp.runtime.weights import LoadError
+from entmtp.spec.engine import GenerationError
+from entmtp.spec.policy import TauPolicy
+
+YIELDS_PER_S = 15  # a race's updates: each is pickled across the ZeroGPU process boundary
+RACE_START_S = 10.0  # a cold GPU worker: weights onto the device, the policy's graphs, two prefills
+STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
+FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
+DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
+_services: dict[int, "Service"] = {}
+
+
+def race_seconds(req: Request) -> float:
+    """GPU seconds a race asks for: its start plus a step per token on each side at STEP_BUDGET_MS
+    (speculative steps emit more than a token, so this bounds them from above)."""
+    return RACE_START_S + 2 * req.max_new_tokens * STEP_BUDGET_MS / 1e3
+
+
+def fit_seconds(tasks: list[str] | tuple[str, ...]) -> float:
+    return FIT_START_S + FIT_TASK_S * len(tasks)
+
+
+class Turns:
+    """The machine, shared by races (which run whole, several at once) and the background fit
+    (which times in short blocks, `calibrate.measure_costs`, and lets a waiting race in between
+    two blocks), so that neither skews the other's clock."""
+
+    def __init__(self):
+        self._state = PerProcess(lambda: SimpleNamespace(cv=threading.Condition(), racing=0, waiting=0, timing=False))
+
+    @contextmanager
+    def race(self):
+        st = self._state.get()
+        with st.cv:
+            st.waiting += 1
+            while st.timing:
+                st.cv.wait()
+            st.waiting -= 1
+            st.racing += 1
+        try:
+            yield
+        finally:
+            with st.cv:
+                st.racing -= 1
+                st.cv.notify_all()
+
+    @contextmanager
+    def fit_block(self):
+        st = self._state.get()
+        with st.cv:
+            while st.racing or st.waiting:
+                st.cv.wait()
+            st.timing = True
+        try:
+            yield
+        finally:
+            with st.cv:
+                st.timing = False
+                st.cv.notify_all()
+
+
+class Service:
+    """One page's models, start-up and fits; device work finds it again by `key` (an int, so that
+    a GPU call's arguments stay small and picklable)."""
+
+    def __init__(self, models: Models):
+        self.models = models
+        self.key = id(self)
+        _services[self.key] = self
+        self.turns = Turns()
+        self.status = "not started"
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.fits: dict[tuple[str, str], str] = {}  # (model, task) -> what its background fit is doing
+        self._queue: queue.Queue = queue.Queue()
+        self._fitter: threading.Thread | None = None
+        self._guard = threading.Lock()
+        self._started = False
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def start(self, background: bool = True) -> "Service":
+        """Load the app's model and heads, then queue its banks' fits. In a thread when
+        `background` (the page is served meanwhile); on ZeroGPU always here and now, before the
+        page is served: its CUDA emulation covers the main thread only, and the model must be on
+        the (emulated) device before `launch` for the GPU workers to inherit it. Once only."""
+        with self._guard:
+            if self._started:
+                return self
+            self._started = True
+        if background and not gpu.zero_gpu():
+            threading.Thread(target=self._load, name="entmtp-start", daemon=True).start()
+        else:
+            self._load()
+        return self
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            self.status = ("loading the model (a machine's first start also dequantises its weights and builds "
+                           "its CPU kernels: about a minute)")
+            rt = self.models.get(None)
+            self.status = "loading the draft heads"
+            for kind in ("hydra", "medusa"):
+                try:
+                    rt.heads(kind)
+                except LoadError as e:  # a race that needs them says so
+                    print(f"entmtp: {e}", flush=True)
+            self.status = f"ready (loaded in {time.monotonic() - started:.0f} s)"
+        except Exception as e:  # the page shows it; a race names it
+            self.error = f"{type(e).__name__}: {e}" if not isinstance(e, (LoadError, RaceError)) else str(e)
+            self.status = f"the model failed to load: {self.error}"
+            self.ready.set()
+            return
+        self.ready.set()
+        if not gpu.zero_gpu():  # on ZeroGPU a fit is a GPU call: it waits for a visitor's race (`queue_fit`)
+            for task in TASKS:
+                self.queue_fit(None, task)
+
+    def wait_ready(self, poll_s: float = 0.5) -> Iterator[str]:
+        """Progress messages while the start-up loads (none once it has); raises when it failed.
+        Starts it if nobody has (a page served by `gradio app.py` imports `demo` only)."""
+        self.start()
+        t0 = time.monotonic()
+        while not self.ready.wait(poll_s):
+            yield f"waiting for the start-up: {self.status} ({time.monotonic() - t0:.0f} s)…"
+        if self.error:
+            raise LoadError(self.error)
+
+    # -- this machine's fits, in the background -------------------------------------------------
+
+    def fit_status(self, model: str | None, task: str) -> str:
+        return self.fits.get((self.models.check(model), task), "")
+
+    def queue_fit(self, model: str | None, task: str) -> None:
+        """Measure this machine's fit of the task's bank in the background, unless it exists or is
+        queued; on ZeroGPU the GPU call runs under the caller's request (its visitor's quota)."""
+        name = self.models.check(model)
+        rt = self.models.loaded(name)
+        if rt is None or self.models.fit_mode != "auto" or not has_bank(rt, task) or not rt.needs_calibration(task):
+            return
+        with self._guard:
+            if (name, task) in self.fits and not self.fits[(name, task)].startswith("failed"):
+                return
+            self.fits[(name, task)] = "queued"
+            self._queue.put((name, task, contextvars.copy_context()))  # a GPU call is charged to the caller's request
+            if self._fitter is None:
+                self._fitter = threading.Thread(target=self._fit_loop, name="entmtp-fit", daemon=True)
+                self._fitter.start()
+
+    def _fit_loop(self) -> None:
+        while True:
+            name, task, context = self._queue.get()
+            try:
+                context.run(self.fit, name, [task], "auto")
+                self.fits.pop((name, task), None)
+            except Exception as e:  # the Bank tab shows it; races keep the shipped fit
+                self.fits[(name, task)] = f"failed: {e}"
+
+    def fit(self, model: str | None, tasks: list[str], mode: str = "auto") -> None:
+        """Fit the tasks' banks to this machine (mode "refit": measure again) through `fit_banks`,
+        and keep what it measured for the page."""
+        name = self.models.check(model)
+        fingerprint, fits = fit_banks(self.key, name, tuple(tasks), mode)
+        if gpu.zero_gpu():
+            gpu.remember(fingerprint)
+        self.models.get(name).adopt_fits(fits)
+
+    def progress(self, name: str, tasks: tuple[str, ...]):
+        """A calibration progress callback that keeps the page's fit status current."""
+
+        def wrap(iterable, desc, total):
+            for i, item in enumerate(iterable):
+                for task in tasks:
+                    self.fits[(name, task)] = f"measuring this machine: {desc} {i + 1}/{total}"
+                yield item
+
+        return wrap
+
+
+# -- device work ---------------------------------------------------------------------------------
+
+
+@gpu.on_gpu(duration=lambda key, model, tasks, mode="auto": fit_seconds(tasks))
+def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") -> tuple[dict, dict[str, dict]]:
+    """(fingerprint, {task: fit}) of the tasks' banks on this device, timed if need be (each
+    block of timing in a `Turns.fit_block`, so races go first)."""
+    svc = _services[key]
+    rt = svc.models.get(model)
+    try:
+        banks = rt.banks(list(tasks), svc.progress(model, tasks), mode, svc.turns.fit_block)
+    except LoadError as e:
+        raise gr.Error(str(e), title="Cannot fit the bank") from None
+    return rt.fingerprint, {task: bank.fit for task, bank in banks.items()}
+
+
+@gpu.on_gpu(duration=lambda key, req, model=None: race_seconds(req))
+def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dict[str, Any]]:
+    """A race on the device: first {"fingerprint", "names", "fitted", "note", "policy"}, then
+    {"sides": (EntMTP's delta, the baseline's delta)} at most YIELDS_PER_S a second, the last one
+    when both sides are done. Never a tensor, never a model object. On ZeroGPU the race ends
+    itself before the GPU time it asked for runs out."""
+    svc = _services[key]
+    try:
+        rt = svc.models.get(model)
+        fitted = not rt.needs_calibration(req.task)
+        bank = bank_for(rt, req.task, mode=None if fitted else "shipped")
+        ent, base, pol = start(rt, req, bank, svc.models.runtime_lock(model))
+    except RaceError as e:
+        raise gr.Error(str(e), title=e.title) from None
+    except (LoadError, GenerationError, ValueError) as e:
+        raise gr.Error(str(e), title="Cannot run this race") from None
+    tau = (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) and pol.small != pol.large else None
+    yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "fitted": fitted,
+           "note": bank_note(rt, req.task, bank), "policy": {"tau": tau, "feature": pol.feature, "depth": pol.depth or bank.max_depth}}
+    deadline = time.monotonic() + race_seconds(req) - DEADLINE_MARGIN_S if gpu.zero_gpu() else None
+    last = 0.0
+    try:
+        with svc.turns.race():
+            for _ in itertools.count():
+                for side in (ent, base):
+                    if not side.done:
+                        side.advance(rt)
+                if deadline is not None and time.monotonic() > deadline:
+                    for side in (ent, base):
+                        side.stop("the GPU time this race asked for ran out")
+                finished = ent.done and base.done
+                if finished or time.monotonic() - last >= 1 / YIELDS_PER_S:
+                    last = time.monotonic()
+                    yield {"sides": (ent.delta(), base.delta())}
+                if finished:
+                    return
+    except GenerationError as e:
+        raise gr.Error(str(e), title="The race stopped") from None
+    finally:
+        for side in (ent, base):
+            side.stop("stopped")

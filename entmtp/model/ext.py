@@ -63,7 +63,7 @@ NAME = f"entmtp_gguf_{cpu_key()}"
 
 def extension():
     """The compiled kernels, or None with the reason in `_state["error"]`. Built on first use
-    (~1 minute on 2 cores) into PyTorch's extension cache (TORCH_EXTENSIONS_DIR, by default
+    (~25 s on 2 cores) into PyTorch's extension cache (TORCH_EXTENSIONS_DIR, by default
     ~/.cache/torch_extensions), rebuilt when the source changes, loaded from there after."""
     with _lock:
         if "ext" in _state:
@@ -78,7 +78,7 @@ def extension():
             except Exception:
                 built = False
             if not built:
-                print("entmtp: building the GGUF block kernels for this machine (once, about a minute)...", file=sys.stderr, flush=True)
+                print("entmtp: building the GGUF block kernels for this machine (once, about half a minute)...", file=sys.stderr, flush=True)
             started = time.perf_counter()
             try:
                 _state["ext"] = cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)

@@ -32,7 +32,7 @@
 // single-token steps would.
 #include "gguf_linear.h"
 
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
@@ -207,7 +207,7 @@ void linear_f32(const float* xp, int64_t M, int64_t N, int64_t K, const Blocks& 
 // Input rows as int8 blocks of 32: values q [M, K]; per block the scale d, s = d * sum(q), and
 // sum(q) itself (the Q8_0 kernels' correction for their weights' +128 offset).
 struct Q8Rows {
-  torch::Tensor storage, scales, sums;
+  at::Tensor storage, scales, sums;
   const int8_t* q;
   const float *d, *s;
   const int32_t* sum;
@@ -257,11 +257,11 @@ inline int32_t block_avx2(const float* p, int8_t* q, float* d) {
 
 // Every block of M rows of K inputs (`vector`: 8 lanes at a time; the scalar reference keeps the
 // scalar code, and the tests compare the two paths' outputs bit for bit).
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const torch::TensorOptions& options, bool vector) {
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const at::TensorOptions& options, bool vector) {
   const int64_t blocks = K / kBlock;
-  auto storage = torch::empty({M, K}, options.dtype(torch::kInt8));
-  auto scales = torch::empty({2, M, blocks}, options.dtype(torch::kFloat32));
-  auto sums = torch::empty({M, blocks}, options.dtype(torch::kInt32));
+  auto storage = at::empty({M, K}, options.dtype(at::kChar));
+  auto scales = at::empty({2, M, blocks}, options.dtype(at::kFloat));
+  auto sums = at::empty({M, blocks}, options.dtype(at::kInt));
   int8_t* qp = storage.data_ptr<int8_t>();
   float* dp = scales.data_ptr<float>();
   float* sp = dp + M * blocks;
@@ -508,14 +508,14 @@ bool cpu_has_vnni() {
 
 bool can_run(int64_t isa) { return isa == kIsaScalar || (isa == kIsaAvx2 && cpu_has_avx2()) || (isa == kIsaVnni && cpu_has_vnni()); }
 
-Packed packed(const torch::Tensor& q, const torch::Tensor& d, const c10::optional<torch::Tensor>& m, int64_t N, int64_t chunks) {
-  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous() && q.dim() == 4 && q.size(2) == chunks && q.size(3) == 64,
+Packed packed(const at::Tensor& q, const at::Tensor& d, const c10::optional<at::Tensor>& m, int64_t N, int64_t chunks) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 4 && q.size(2) == chunks && q.size(3) == 64,
               "gguf linear: packed values must be uint8 [groups, blocks, ", chunks, ", 64]");
   const int64_t groups = q.size(0), blocks = q.size(1), K = blocks * kBlock;
   TORCH_CHECK(N > 0 && (N + kGroup - 1) / kGroup == groups, "gguf linear: ", N, " outputs do not fill ", groups, " groups of 16");
   TORCH_CHECK(K <= kMaxIn, "gguf linear: at most ", kMaxIn, " inputs");
-  auto check = [&](const torch::Tensor& s, const char* what) {
-    TORCH_CHECK(s.scalar_type() == torch::kHalf && s.is_contiguous() && s.numel() == groups * blocks * kGroup,
+  auto check = [&](const at::Tensor& s, const char* what) {
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.numel() == groups * blocks * kGroup,
                 "gguf linear: packed ", what, " must be float16 [groups, blocks, 16]");
   };
   check(d, "scales");
@@ -523,13 +523,13 @@ Packed packed(const torch::Tensor& q, const torch::Tensor& d, const c10::optiona
   return {q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.has_value() ? m->data_ptr<at::Half>() : nullptr, N, K, blocks, groups, chunks};
 }
 
-torch::Tensor linear(const torch::Tensor& x_in, const Packed& P, bool q8, int64_t isa) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32, "gguf linear: float32 input expected");
+at::Tensor linear(const at::Tensor& x_in, const Packed& P, bool q8, int64_t isa) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf linear: float32 input expected");
   TORCH_CHECK(x_in.size(-1) == P.K, "gguf linear: input has ", x_in.size(-1), " features, the weight ", P.K);
   TORCH_CHECK(can_run(isa), "gguf linear: this CPU cannot run instruction-set path ", isa);
   auto x = x_in.reshape({-1, P.K}).contiguous();
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, P.N}, x.options());
+  auto y = at::empty({M, P.N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool q41 = P.m != nullptr;
@@ -615,10 +615,10 @@ std::vector<std::string> isas() {
   return out;
 }
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t N, bool q8, int64_t isa) {
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, bool q8, int64_t isa) {
   return linear(x, packed(q, d, m, N, 4), q8, isa);
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t N, bool q8, int64_t isa) {
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, bool q8, int64_t isa) {
   return linear(x, packed(q, d, c10::nullopt, N, 8), q8, isa);
 }

@@ -2,7 +2,7 @@
 // activations; each output computed in one fixed order, whatever the rows and the instruction set.
 #pragma once
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // ATen's tensor alone: <torch/extension.h> would triple each source's build time
 
 #include <string>
 #include <vector>
@@ -19,8 +19,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t N, bool q8, int64_t isa);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t N, bool q8, int64_t isa);
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, bool q8, int64_t isa);
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, bool q8, int64_t isa);
 int64_t q8_max_rows();
 std::vector<std::string> isas();
 double int8_peak(int64_t isa, int64_t iters);

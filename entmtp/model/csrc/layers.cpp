@@ -11,6 +11,9 @@
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // for the Python module at the end, the only source that needs it
 #include <immintrin.h>
 
 #include <cmath>
@@ -77,11 +80,11 @@ struct Visibility {
   }
 };
 
-Visibility visibility(const c10::optional<torch::Tensor>& mask, int64_t B, int64_t heads, int64_t Q) {
+Visibility visibility(const c10::optional<at::Tensor>& mask, int64_t B, int64_t heads, int64_t Q) {
   Visibility v;
   if (!mask.has_value()) return v;
   const auto& m = *mask;
-  TORCH_CHECK(m.scalar_type() == torch::kBool && m.dim() == 4, "attention: the mask must be a 4-D bool tensor");
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4, "attention: the mask must be a 4-D bool tensor");
   TORCH_CHECK((m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == heads) && m.size(2) == Q,
               "attention: the mask's shape does not match the queries");
   v.mask = m.data_ptr<bool>();
@@ -203,19 +206,19 @@ inline void rope_row(const float* src, const float* c, const float* s, int64_t D
   }
 }
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), what, ": float32 CPU tensor expected");
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, ": float32 CPU tensor expected");
   TORCH_CHECK(t.size(-1) % 8 == 0 && t.stride(-1) == 1, what, ": the last dimension must be contiguous, a multiple of 8");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, "rms_norm");
   const int64_t H = x.size(-1);
-  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rms_norm: weight must be float32 [H]");
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: weight must be float32 [H]");
   auto xc = x.contiguous();
-  auto y = torch::empty_like(xc);
+  auto y = at::empty_like(xc);
   const int64_t rows = xc.numel() / H;
   const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -225,7 +228,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
   check_rows(g, "silu_mul");
   check_rows(u, "silu_mul");
   TORCH_CHECK(g.sizes() == u.sizes(), "silu_mul: gate and up differ in shape");
@@ -233,7 +236,7 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   auto g2 = g.dim() == 2 ? g : g.reshape({-1, I});
   auto u2 = u.dim() == 2 ? u : u.reshape({-1, I});
   const int64_t rows = g2.size(0);
-  auto a = torch::empty({rows, I}, g.options());
+  auto a = at::empty({rows, I}, g.options());
   const float *gp = g2.data_ptr<float>(), *up = u2.data_ptr<float>();
   float* ap = a.data_ptr<float>();
   const int64_t gs = g2.stride(0), us = u2.stride(0), slice = 256;  // elements are independent: slices of rows in parallel
@@ -248,14 +251,14 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 }
 
 // q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask None (causal) or bool -> out [B, Q, heads, D].
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Tensor> mask, double scale) {
   check_rows(q, "attention");
   check_rows(k, "attention");
   check_rows(v, "attention");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "attention: 4-D q, k, v expected");
   const int64_t B = q.size(0), heads = q.size(1), Q = q.size(2), D = q.size(3), kv_heads = k.size(1), L = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && heads % kv_heads == 0 && D <= 256 && L >= Q, "attention: shapes do not fit");
-  auto out = torch::empty({B, Q, heads, D}, q.options());
+  auto out = at::empty({B, Q, heads, D}, q.options());
   auto vis = visibility(mask, B, heads, Q);
   attend({q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2)}, {k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
          {v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)}, B, heads, kv_heads, Q, L, D, static_cast<float>(scale), vis,
@@ -268,32 +271,32 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 // post-attention norm weight; gate/up fused (q, d, m); down (q, d, m). `q8`: the projections take
 // Q8 activations, computed by instruction-set path `isa` (gguf_linear.cpp).
 struct Stack {
-  std::vector<torch::Tensor> w;
+  std::vector<at::Tensor> w;
   int64_t heads, kv_heads, dim;
   double eps, scale;
   bool q8;
   int64_t isa;
 
-  Stack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale, bool q8, int64_t isa)
+  Stack(std::vector<at::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t dim, double eps, double scale, bool q8, int64_t isa)
       : w(std::move(weights)), heads(heads), kv_heads(kv_heads), dim(dim), eps(eps), scale(scale), q8(q8), isa(isa) {
     TORCH_CHECK(w.size() % 14 == 0, "Stack: 14 tensors per layer expected");
     TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "Stack: unsupported head layout");
   }
 
-  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* t, int64_t N) const { return q4_1_linear(x, t[0], t[1], t[2], N, q8, isa); }
+  at::Tensor linear(const at::Tensor& x, const at::Tensor* t, int64_t N) const { return q4_1_linear(x, t[0], t[1], t[2], N, q8, isa); }
 
   // x [Q, H] (embedded tokens), cos/sin [Q, D], the layers' key/value buffers [1, kv_heads, capacity,
   // D] holding `past` entries, an optional bool block mask [Q, Q] among the new tokens (else causal):
   // writes the new keys and values at past..past+Q-1, returns the last layer's output [Q, H].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
-                        std::vector<torch::Tensor> values, int64_t past, c10::optional<torch::Tensor> block) {
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
+                     std::vector<at::Tensor> values, int64_t past, c10::optional<at::Tensor> block) {
     const int64_t layers = static_cast<int64_t>(w.size() / 14), Q = x.size(0), D = dim, L = past + Q;
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "Stack: x must be float32 [Q, H]");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "Stack: x must be float32 [Q, H]");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == Q * D && sin.numel() == Q * D, "Stack: cos/sin must be [Q, D]");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers, "Stack: one cache per layer");
-    c10::optional<torch::Tensor> mask;
+    c10::optional<at::Tensor> mask;
     if (block.has_value()) {
-      TORCH_CHECK(block->scalar_type() == torch::kBool && block->size(0) == Q && block->size(1) == Q, "Stack: block mask must be bool [Q, Q]");
+      TORCH_CHECK(block->scalar_type() == at::kBool && block->size(0) == Q && block->size(1) == Q, "Stack: block mask must be bool [Q, Q]");
       mask = block->contiguous().view({1, 1, Q, Q});
     }
     const auto vis = visibility(mask, 1, heads, Q);
@@ -301,7 +304,7 @@ struct Stack {
     const float* sp = sin.data_ptr<float>();
     const int64_t qw = heads * D, kw = kv_heads * D;
     for (int64_t l = 0; l < layers; ++l) {
-      const torch::Tensor* t = w.data() + 14 * l;
+      const at::Tensor* t = w.data() + 14 * l;
       auto& kb = keys[l];
       auto& vb = values[l];
       TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.size(1) == kv_heads && kb.size(2) >= L && kb.size(3) == D &&
@@ -309,7 +312,7 @@ struct Stack {
       const int64_t cap = kb.size(2);
       auto h = rms_norm(x, t[0], eps);
       auto qkv = linear(h, t + 1, qw + 2 * kw);
-      auto qr = torch::empty({heads, Q, D}, x.options());
+      auto qr = at::empty({heads, Q, D}, x.options());
       {
         const float* src = qkv.data_ptr<float>();
         float* qp = qr.data_ptr<float>();
@@ -325,15 +328,15 @@ struct Stack {
           }
         }
       }
-      auto att = torch::empty({Q, heads * D}, x.options());
+      auto att = at::empty({Q, heads * D}, x.options());
       attend({qr.data_ptr<float>(), 0, Q * D, D}, {kb.data_ptr<float>(), 0, cap * D, D}, {vb.data_ptr<float>(), 0, cap * D, D}, 1,
              heads, kv_heads, Q, L, D, static_cast<float>(scale), vis, att.data_ptr<float>());
-      x = x + linear(att, t + 4, x.size(1));
+      x = x.add(linear(att, t + 4, x.size(1)));
       auto h2 = rms_norm(x, t[7], eps);
       auto gu = linear(h2, t + 8, 2 * t[11].size(1) * 32);
       const int64_t I = gu.size(1) / 2;
       auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-      x = x + linear(a, t + 11, x.size(1));
+      x = x.add(linear(a, t + 11, x.size(1)));
     }
     return x;
   }
@@ -349,7 +352,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("silu_mul", &silu_mul, "silu(gate) * up");
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   pybind11::class_<Stack>(mod, "Stack")
-      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
+      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
       .def("forward", &Stack::forward)
       .def_readwrite("isa", &Stack::isa);
 }

@@ -1,4 +1,4 @@
-"""Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads,kernels}`.
+"""Command line: `python -m entmtp {generate,bench,report,calibrate,build-bank,train-heads,eval-heads,kernels,prepare}`.
 
 Argument parsing and dispatch only: each command's work lives in its module (engine, bench,
 report, calibrate, train, evalheads, kernels). A bad argument or file prints one
@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "at the repository root, with the other pages)")
 
     k = KernelBenchConfig()
+    pr = sub.add_parser("prepare", help="make this machine's served weights and CPU kernels ready (what `make setup` runs, "
+                                        "so that the app's first start does not pay for them)")
+    pr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
+
     kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
     kn.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
     kn.add_argument("--kernels", default=ModelConfig().kernels, choices=["q8", "packed"],
@@ -487,7 +491,26 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-COMMANDS = {"bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,
+def cmd_prepare(args: argparse.Namespace) -> None:
+    """Load the model as the app serves it: the dequantised weights and the extension are built
+    into their caches where missing (ENTMTP_CACHE, TORCH_EXTENSIONS_DIR), the heads are checked."""
+    from entmtp.model import ext
+    from entmtp.runtime.runtime import load_runtime
+
+    t0 = time.perf_counter()
+    rt = load_runtime(ModelConfig(model=args.model))
+    print(f"entmtp: weights {rt.weights} ({rt.load_s:.1f} s)", flush=True)
+    built = ext.build_report()
+    if built:
+        print(f"entmtp: CPU kernels {'built' if built['built'] else 'found built'} for this CPU ({built['seconds']:.1f} s)")
+    elif ext.extension_error():
+        print(f"entmtp: CPU kernels not used here: {ext.extension_error()}")
+    for kind in ("hydra", "medusa"):
+        rt.heads(kind)
+    print(f"entmtp: ready in {time.perf_counter() - t0:.1f} s")
+
+
+COMMANDS = {"prepare": cmd_prepare, "bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,
             "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank, "kernels": cmd_kernels}
 
 

@@ -12,7 +12,8 @@ is built with random weights. Needs only torch, transformers and safetensors (no
    logit gap is within float noise is reported as a tie, not a failure.
 2. Costs: the median wall time of one decode step per tree (the banks' candidate trees,
    mc_sim_7b_63 and AR), warm, synchronised around each step, at ~300 tokens of context;
-   prefill per token from the first step's extra time. With CUDA graphs three ways: as served
+   prefill per token from the first step's extra time; host reads per step (`host_reads`) for a
+   few tree sizes; kernels per step (torch.profiler) for AR and mc_sim_7b_63. With CUDA graphs three ways: as served
    (verification and the heads' drafts captured), with the drafts eager, and all eager.
 3. Prediction: with those costs, the fit `calibrate` would make here (`bank.fit.fit_task`: front,
    static / ladder / τ policies, and tokens/s of ar, hydra and each EntMTP policy by exact
@@ -226,6 +227,37 @@ def step_ms(engine: Engine, strategy: Strategy, prompt: list[int], sizes: Sizes)
     return statistics.median(times) * 1e3, first * 1e3, per_phase
 
 
+HOST_READS = ((torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch.Tensor, "cpu"), (torch.Tensor, "numpy"),
+              (torch.Tensor, "__bool__"), (torch.Tensor, "__int__"), (torch.Tensor, "__float__"), (torch.cuda, "synchronize"))
+
+
+def host_reads(engine: Engine, strategy: Strategy, prompt: list[int], steps: int = 3) -> float:
+    """Calls per decode step that bring a device value to the host or wait for the device (`.item()`,
+    `.tolist()`, `.cpu()`, a tensor's truth value or number, `torch.cuda.synchronize`): each stalls
+    the host until the device has caught up. Counted over `steps` warm steps (not timed)."""
+    gen = engine.generate(prompt, strategy, GenerationConfig(max_new_tokens=4 * (steps + 2)))
+    next(gen)
+    next(gen)
+    count = [0]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in HOST_READS]
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, counting(fn))
+        done = sum(1 for _ in zip(range(steps), gen))
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        gen.close()
+    return round(count[0] / max(1, done), 1)
+
+
 def predict(bank: TopologyBank, step_costs: list[float], prefill_ms_per_token: float, baseline: tuple[Tree, float]) -> dict:
     """The fit `calibrate` would make on this machine at these step costs: front, policies and
     tokens/s of every method by exact simulation of the bank's acceptance traces."""
@@ -380,8 +412,13 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
             line += f"   eager {costs_eager[name]:9.3f} ms"
         log(line)
     prefill_ms_per_token = max(0.0, statistics.median(prefills))
+    reads = {s.trees[0].name: host_reads(rt.engine, s, context) for s in tree_strategies(
+        [t for t in trees if t.name in ("ar", BASELINE_TREE) or t.n_nodes in (2, 5, 9)], rt.heads("hydra"), "hydra")}
+    log(f"host reads per step: {reads}")
 
     profile = {"graphs": kernel_profile(rt.engine, rt.strategy("ar"), context)} if graphed and not quick else {}
+    if graphed and not quick:
+        profile["graphs_baseline_tree"] = kernel_profile(rt.engine, tree_strategies([baseline], rt.heads("hydra"), "hydra")[0], context)
     if eager is not None and not quick:
         profile["eager"] = kernel_profile(eager, rt.strategy("ar"), context)
     compiled = compiled_graphs(model, rt, trees, prompts, refs, context, sizes) if graphed and not quick else {}
@@ -404,6 +441,7 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
         "compiled": compiled,
         "profile_ar_steps": profile,
         "step_ms": costs,
+        "host_reads_per_step": reads,
         "step_ms_eager": costs_eager,
         "step_ms_eager_drafts": costs_eager_drafts,
         "phase_ms": phases,

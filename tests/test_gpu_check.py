@@ -23,6 +23,8 @@ def test_quick_cpu_run_prints_one_json_line():
     assert result["ok"] and result["quick"] and result["device"].startswith("cpu")
     assert result["lossless"]["cases"] > 30 and result["lossless"]["n_failures"] == 0
     assert {"ar", "mc_sim_7b_63"} <= set(result["step_ms"]) and all(v > 0 for v in result["step_ms"].values())
+    reads = result["host_reads_per_step"]  # a step reads its tokens back at least once
+    assert {"ar", "mc_sim_7b_63"} <= set(reads) and all(v >= 1 for v in reads.values()), reads
     methods = {"ar", "hydra", "entmtp-static", "entmtp-ladder", "entmtp-tau"}
     for task in TASKS:
         tps = result["predicted"][task]["tokens_per_s"]

@@ -144,3 +144,45 @@ def test_stop_ends_the_gpu_work(space):
         time.sleep(0.2)
     closed = [e for e in entries(log) if e.get("closed") == "race_steps"]
     assert closed[-1]["early"], closed
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_the_page_on_zerogpu(space):
+    """Through the page: a race, then the Bank tab says the bank is fitted to this machine (the
+    fit a GPU call made, found again by the page's process), and Refit runs as a GPU call."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from test_browser import ARGS, CHROMIUM
+
+    url, log = space
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(url, wait_until="domcontentloaded")
+            page.get_by_label("Prompt").fill(PROMPT)
+            page.get_by_role("radio", name="math", exact=True).check()
+            budget = page.locator("input[aria-label='number input for Max new tokens']")
+            budget.fill("32")
+            budget.press("Enter")
+            page.get_by_role("button", name="Run the race").click()
+            expect(page.locator(".badge.same")).to_be_visible(timeout=300_000)
+            assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
+            page.get_by_role("tab", name="Bank").click()
+            fitted = page.locator("p:visible", has_text="fitted to this machine")
+            expect(fitted.first).to_be_visible(timeout=180_000)
+            before = sum(e.get("function") == "fit_banks" for e in entries(log))
+            page.get_by_role("button", name="Refit on this machine").click()
+            deadline = time.monotonic() + 300
+            while sum(e.get("function") == "fit_banks" for e in entries(log)) == before:
+                assert time.monotonic() < deadline, entries(log)
+                page.wait_for_timeout(500)
+            expect(page.locator("p:visible", has_text="measuring this machine")).to_have_count(0, timeout=300_000)
+            expect(fitted.first).to_be_visible(timeout=60_000)
+            assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
+        finally:
+            browser.close()
+    calls = entries(log)
+    assert not [e for e in calls if "violation" in e], calls
+    assert all(e["seconds"] <= 120 for e in calls if "seconds" in e), calls

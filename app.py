@@ -5,7 +5,7 @@ Layout and wiring only; the race itself (models, validation, strategies, sides, 
 `python app.py` serves it locally (CPU, the default model, offline). Environment:
 ENTMTP_APP_MODEL (model id or path), ENTMTP_APP_MODELS (comma-separated models the Advanced box
 may load; default: only the app's model), ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (head
-folders or hub repos), ENTMTP_APP_FIT (auto: fit the banks to this machine once, the default;
+folders or hub repos), ENTMTP_APP_FIT (auto: fit the banks to this machine once, in the background, the default;
 shipped: the fit in the bank files), ENTMTP_APP_CONCURRENCY (races served at once; default 1 so
 that two races do not share the CPU and skew each other's clocks).
 """
@@ -166,8 +166,9 @@ A big tree (Hydra's 63 nodes) accepts more tokens per step but every step costs 
 CPU verification cost grows quickly with tree size. **EntMTP keeps a bank of trees**, and which
 of them pay depends on the machine: the bank file carries, for calibration prompts, how many
 drafted tokens each tree *would* have accepted at every position (a fact about the model and its
-heads), and the first race on a machine times one step with each tree there and fits the
-policies to those costs (the *Bank* tab says which machine its numbers come from). EntMTP then
+heads), and the app times one step with each tree on the machine serving this page (in the
+background after it starts; races meanwhile use the file's fit) and fits the policies to those
+costs (the *Bank* tab says which machine its numbers come from). EntMTP then
 picks a tree **every step** from a cheap confidence signal: the model's top-1 probability *s*,
 the heads' path value *g_D*, or exp(−entropy), whichever predicted best for the task:
 

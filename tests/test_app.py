@@ -229,8 +229,8 @@ def test_bank_view_says_where_its_numbers_come_from(served):
     app, models, _ = served
     rt = models.get(None)
     for task in ("code", "math", "chat"):
+        bank = rt.bank(task)  # this machine's fit (measured now if the background fit has not yet)
         note, fig, rows, on, off = race.bank_view(models, task, None)
-        bank = rt.bank(task)
         assert bank.fit["hardware"] in note
         assert ("this machine" in note) == rt.fitted_here(task)
         assert ("Ceiling:" in note) == bool(bank.fit.get("ceiling"))  # what no policy over this bank can beat

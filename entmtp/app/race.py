@@ -398,8 +398,8 @@ def bank_view(models: Models, task: str, model: str | None, status: str = ""):
             bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
             hw = bank.fit.get("hardware", "?")
             note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
-                    f"{bank.fit.get('date', '')}). Races use it until this machine's fit is measured"
-                    f"{f' ({status})' if status else ' (in the background after the start, or press Refit)'}.")
+                    f"{bank.fit.get('date', '')}). Races use it until a fit measured here exists"
+                    f"{f' ({status})' if status else ' (measured in the background after the start, or press Refit)'}.")
             if bank.meta.get("fallback"):
                 note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
         else:

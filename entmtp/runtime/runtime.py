@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,7 @@ class Runtime:
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
+    _timing: threading.Lock = field(default_factory=threading.Lock)  # one calibration at a time
 
     @property
     def slug(self) -> str:
@@ -151,21 +153,25 @@ class Runtime:
         mode "shipped" where `fit_mode` is not gives the bank files' fits without keeping them."""
         mode = mode or self.fit_mode
         keep = mode != "shipped" or self.fit_mode == "shipped"
-        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in dict.fromkeys(tasks)
-                if t not in self._banks or mode == "refit" or not keep}
-        if not need:
+        wanted = [t for t in dict.fromkeys(tasks) if t not in self._banks or mode == "refit" or not keep]
+        if not wanted:
             return {t: self._banks[t] for t in tasks}
         if not self._trees:
             self._trees = load_named_trees(TREES_FILE)
-        try:
-            got = resolve_fits(self.engine, self.heads("hydra"), need, self.fingerprint, self.cache_root or cache_root(ModelConfig()),
-                               mode, self.calibrate_config, self._trees[BASELINE_TREE], progress or self.progress,
-                               turn or contextlib.nullcontext)
-        except BankError as e:
-            raise LoadError(str(e)) from None
-        if not keep:
-            return {t: got.get(t) or self._banks[t] for t in tasks}
-        self._banks.update(got)
+        root = self.cache_root or cache_root(ModelConfig())
+        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in wanted}
+        timing = mode == "refit" or any(known_fit(b, self.fingerprint, root, mode) is None for b in need.values())
+        with self._timing if timing else contextlib.nullcontext():  # a second caller finds the first one's fit
+            if timing and mode != "refit":
+                need = {t: b for t, b in need.items() if t not in self._banks}
+            try:
+                got = resolve_fits(self.engine, self.heads("hydra"), need, self.fingerprint, root, mode, self.calibrate_config,
+                                   self._trees[BASELINE_TREE], progress or self.progress, turn or contextlib.nullcontext)
+            except BankError as e:
+                raise LoadError(str(e)) from None
+            if not keep:
+                return {t: got.get(t) or self._banks[t] for t in tasks}
+            self._banks.update(got)
         return {t: self._banks[t] for t in tasks}
 
     def needs_calibration(self, task: str) -> bool:

@@ -360,6 +360,7 @@ def launch(app: gr.Blocks = demo, **kwargs):
 
 
 if __name__ == "__main__":
-    print(f"serving at once; loading {CONFIG.model} in the background…", flush=True)
+    launch(prevent_thread_lock=True)  # the page first: the model loads while a visitor reads it
+    print(f"page served; loading {CONFIG.model} in the background…", flush=True)
     SERVICE.start()
-    launch()
+    demo.block_thread()

@@ -20,11 +20,13 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import gradio as gr
+import torch
 
 from entmtp.app import gpu
 from entmtp.app.race import (Models, PerProcess, RaceError, Request, bank_for, bank_note, has_bank, start)
-from entmtp.config import TASKS
-from entmtp.runtime.weights import LoadError
+from entmtp.config import DEFAULT_MODEL, TASKS
+from entmtp.model import ext
+from entmtp.runtime.weights import LoadError, default_weights_kind
 from entmtp.spec.engine import GenerationError
 from entmtp.spec.policy import TauPolicy
 
@@ -123,6 +125,8 @@ class Service:
     def _load(self) -> None:
         started = time.monotonic()
         try:
+            if self._builds_kernels():  # compile them (other processes) while this one dequantises the weights
+                threading.Thread(target=ext.extension, name="entmtp-kernels", daemon=True).start()
             self.status = ("loading the model (a machine's first start also dequantises its weights and builds "
                            "its CPU kernels: about 40 s on 2 cores)")
             rt = self.models.get(None)
@@ -142,6 +146,14 @@ class Service:
         if not gpu.zero_gpu():  # on ZeroGPU a fit is a GPU call: it waits for a visitor's race (`queue_fit`)
             for task in TASKS:
                 self.queue_fit(None, task)
+
+    def _builds_kernels(self) -> bool:
+        """Whether loading the app's model will use (and so first build) the CPU kernels."""
+        try:
+            return (self.models.check(None) == DEFAULT_MODEL and default_weights_kind() == "gguf"
+                    and not torch.cuda.is_available() and ext.unavailable_reason() is None)
+        except (LoadError, RaceError):
+            return False
 
     def wait_ready(self, poll_s: float = 0.5) -> Iterator[str]:
         """Progress messages while the start-up loads (none once it has); raises when it failed.

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from entmtp.app import gpu
-from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_trees,
-                             bank_view, tree_view, validate)
+from entmtp.app import gpu, whatif
+from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_rows,
+                             bank_trees, bank_view, live_bank, tree_view, validate)
 from entmtp.app.service import Service, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.figures import plots
@@ -270,13 +270,21 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                     base_text = gr.Textbox(label="Baseline text", lines=6)
         with gr.Tab("Bank"):
             gr.Markdown("The trees EntMTP chooses from for the task selected on the Race tab. Acceptance comes "
-                        "from the bank's traces (machine-independent); step times were measured on the machine "
-                        "named below, and tokens/s is what they predict. Filled markers: trees used by a policy.")
+                        "from the bank's traces (machine-independent); step times come from the machine chosen "
+                        "below, and tokens/s is what they predict. Filled markers: trees used by a policy.")
             bank_info = gr.Markdown()
             refit = gr.Button("Refit on this machine", size="sm")
+            with gr.Row():
+                hardware = gr.Radio([(label, key) for key, label in whatif.CHOICES.items()], value="here", scale=3,
+                                    label="What if the step costs were those of… (refits the bank by exact simulation of its traces)")
+                ratio = gr.Slider(0, 1, value=0.1, step=0.01, scale=2, label="r: what an extra tree row costs, × a plain step (idealised)")
+            whatif_md = gr.Markdown()
             front = gr.Plot(show_label=False)
             table = gr.Dataframe(headers=["tree", "nodes", "depth", "mean accepted", "step ms", "predicted tokens/s",
                                           "front", "policies"], interactive=False, label="Trees")
+            features = gr.Dataframe(headers=["feature", "Spearman ρ with accepted length", "best ladder tok/s", "best τ tok/s", "kept"],
+                                    interactive=False, label="Which confidence signal predicts how many drafted tokens a step accepts "
+                                                             "(on the traces, the largest tree)")
         with gr.Tab("How it works"):
             gr.Markdown(HOW_IT_WORKS)
 
@@ -288,28 +296,50 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
         stop.click(None, None, None, cancels=[event])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 
-        def show(task, model):
+        def what_if(task, model, choice="here", r=0.1, progress=None):
+            """The Bank tab under the chosen machine's step costs: figure, table, summary, feature ranks."""
+            try:
+                bank, _ = live_bank(models, task, model, service.fit_status(model, task))
+                rt = models.loaded(model)
+                if rt is None:
+                    return (plots.front_figure(bank, bank.fit.get("baseline")), bank_rows(bank),
+                            "The what-if appears once the model has loaded.", [])
+                if choice != "here" and progress is not None:
+                    progress(0, desc=f"refitting the bank to {whatif.CHOICES.get(choice, choice)}")
+                summary, shown = whatif.bank_tab(rt, task, choice, float(r), bank, bank.fit.get("fingerprint") == rt.fingerprint)
+                return plots.front_figure(shown, shown.fit.get("baseline")), bank_rows(shown), summary, whatif.feature_table(shown.fit)
+            except (RaceError, LoadError, ValueError) as e:
+                return gr.skip(), gr.skip(), f"❌ {e}", []
+
+        def show(task, model, choice="here", r=0.1):
+            """The race column's note and τ sliders (the bank as races use it), and the Bank tab."""
             try:
                 fit = service.fit_status(model, task)
             except RaceError:
                 fit = ""
-            note, fig, rows, on, off = bank_view(models, task, model, fit)
-            return note, note, fig, rows, on, off
+            note, _, _, on, off = bank_view(models, task, model, fit)
+            return note, note, on, off, *what_if(task, model, choice, r)
 
-        def do_refit(task, model):
+        def what_if_event(task, model, choice, r, progress=gr.Progress()):
+            return what_if(task, model, choice, r, progress)
+
+        def do_refit(task, model, choice, r):
             try:
                 service.fit(model, [task], "refit")
             except RaceError as e:
                 raise gr.Error(str(e), title=e.title) from None
             except LoadError as e:
                 raise gr.Error(str(e), title="Cannot fit the bank") from None
-            return show(task, model)
+            return show(task, model, choice, r)
 
-        bank_outputs = [bank_info, bank_note_md, front, table, tau_on, tau_off]
+        bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features]
+        bank_inputs = [task, model, hardware, ratio]
         for trigger in (task.change, model.blur, demo.load, event.then):
-            trigger(show, [task, model], bank_outputs, api_visibility="private")
+            trigger(show, bank_inputs, bank_outputs, api_visibility="private")
+        hardware.change(what_if_event, bank_inputs, bank_outputs[4:], api_visibility="private")
+        ratio.input(what_if_event, bank_inputs, bank_outputs[4:], api_visibility="private", trigger_mode="always_last")
         refit.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private").then(
-            do_refit, [task, model], bank_outputs, api_visibility="private", concurrency_id="race")
+            do_refit, bank_inputs, bank_outputs, api_visibility="private", concurrency_id="race")
 
         def tau_controls(policy):  # the τ override exists for the τ policy only
             on = policy == "tau"
@@ -336,12 +366,13 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             working = not service.ready.is_set() or any(not f.startswith("failed") for f in service.fits.values())
             return "<small>" + " · ".join(parts) + "</small>", working
 
-        def tick(task, model, was_busy):
+        def tick(task, model, was_busy, choice, r):
             line, working = status_line(model)
-            refresh = show(task, model) if was_busy and not working else (gr.skip(),) * len(bank_outputs)
+            refresh = show(task, model, choice, r) if was_busy and not working else (gr.skip(),) * len(bank_outputs)
             return line, working, gr.Timer(active=working), *refresh
 
-        timer.tick(tick, [task, model, busy], [weights_note, busy, timer, *bank_outputs], api_visibility="private", show_progress="hidden")
+        timer.tick(tick, [task, model, busy, hardware, ratio], [weights_note, busy, timer, *bank_outputs], api_visibility="private",
+                   show_progress="hidden")
         for trigger in (demo.load, event.then):
             trigger(lambda: (True, gr.Timer(active=True)), None, [busy, timer], api_visibility="private")
     return demo

@@ -119,3 +119,33 @@ def test_bank_tab_says_where_it_was_measured(page):
     expect(page.get_by_role("button", name="Refit on this machine")).to_be_visible()
     expect(page.locator(".js-plotly-plot", has_text="mc_sim_7b_63").first).to_be_visible()
     page.get_by_role("tab", name="Race").click()
+
+
+def test_bank_what_if_changes_with_the_hardware(page):
+    """The Bank tab's what-if: each machine's step costs refit the bank (front, policies, predictions)."""
+    from playwright.sync_api import expect
+
+    page.get_by_role("radio", name="code", exact=True).check()
+    page.get_by_role("tab", name="Bank").click()
+    summary = page.locator("p:visible", has_text="Step costs:")
+    expect(summary.first).to_be_visible(timeout=120_000)
+    predicted = page.locator("li:visible", has_text="predicted tokens/s").first  # the what-if's predictions
+    expect(predicted).to_be_visible(timeout=60_000)
+    here = predicted.inner_text()
+    page.get_by_role("radio", name="NVIDIA H200 (GPU check)").check()
+    expect(page.locator("p:visible", has_text="measured on NVIDIA H200 by the GPU check").first).to_be_visible(timeout=120_000)
+    expect(predicted).not_to_have_text(here, timeout=60_000)  # other step costs, other predictions
+    gpu = predicted.inner_text()
+    page.get_by_role("radio", name="idealised: an extra row costs r × a plain step").check()
+    expect(page.locator("p:visible", has_text="r = 0.10").first).to_be_visible(timeout=120_000)
+    ratio = page.locator("input[aria-label^='number input for r:']")
+    ratio.fill("0.02")
+    ratio.press("Enter")
+    expect(page.locator("p:visible", has_text="r = 0.02").first).to_be_visible(timeout=120_000)
+    assert predicted.inner_text() not in (here, gpu)
+    expect(page.locator("li:visible", has_text="front:").first).to_be_visible()
+    expect(page.locator("table:visible", has_text="Spearman").first).to_be_visible()
+    assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
+    page.screenshot(path=os.path.join(ASSETS, "screenshot-bank-whatif.png"), full_page=True)
+    page.get_by_role("radio", name="this machine's fit").check()
+    page.get_by_role("tab", name="Race").click()

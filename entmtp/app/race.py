@@ -385,33 +385,42 @@ def tau_defaults(bank: TopologyBank) -> tuple[float, float]:
     return 0.8, 0.5
 
 
-def bank_view(models: Models, task: str, model: str | None, status: str = ""):
-    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column.
+def live_bank(models: Models, task: str, model: str | None, status: str = "") -> tuple[TopologyBank, str]:
+    """(bank, note): the task's bank as races use it now, and one truthful line on its fit.
 
-    Never times anything: a bank not yet fitted here shows its shipped fit, labelled so, with
+    Never times anything: a bank not yet fitted here has its shipped fit, labelled so, with
     `status` (what the background fit is doing) when there is one.
     """
+    name = models.check(model)
+    rt = models.loaded(name)
+    if rt is None or (has_bank(rt, task) and rt.needs_calibration(task)):
+        bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
+        hw = bank.fit.get("hardware", "?")
+        note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
+                f"{bank.fit.get('date', '')}). Races use it until a fit measured here exists"
+                f"{f' ({status})' if status else ' (measured in the background after the start, or press Refit)'}.")
+        if bank.meta.get("fallback"):
+            note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
+        return bank, note
+    bank = bank_for(rt, task)
+    return bank, bank_note(rt, task, bank)
+
+
+def bank_view(models: Models, task: str, model: str | None, status: str = ""):
+    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column (`live_bank`)."""
     try:
-        name = models.check(model)
-        rt = models.loaded(name)
-        if rt is None or (has_bank(rt, task) and rt.needs_calibration(task)):
-            bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
-            hw = bank.fit.get("hardware", "?")
-            note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
-                    f"{bank.fit.get('date', '')}). Races use it until a fit measured here exists"
-                    f"{f' ({status})' if status else ' (measured in the background after the start, or press Refit)'}.")
-            if bank.meta.get("fallback"):
-                note = f"⚠️ No `{task}` bank for `{name}`: races use a small built-in fallback bank."
-        else:
-            bank = bank_for(rt, task)
-            note = bank_note(rt, task, bank)
+        bank, note = live_bank(models, task, model, status)
     except (RaceError, LoadError) as e:
         return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
-    rows = [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
+    on, off = tau_defaults(bank)
+    return note, plots.front_figure(bank, bank.fit.get("baseline")), bank_rows(bank), on, off
+
+
+def bank_rows(bank: TopologyBank) -> list[list]:
+    """The Bank tab's table: per tree, its size, acceptance, cost and predicted speed, and its policies."""
+    return [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),
              "yes" if i in bank.front else "", ", ".join(k for k, p in bank.policies.items() if i in policy_trees(p))]
             for i, (t, st) in enumerate(zip(bank.trees, bank.stats))]
-    on, off = tau_defaults(bank)
-    return note, plots.front_figure(bank, bank.fit.get("baseline")), rows, on, off
 
 
 def policy_trees(pol) -> set[int]:

@@ -26,11 +26,13 @@ import gradio as gr
 from entmtp.app import gpu, whatif
 from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_rows,
                              bank_trees, bank_view, live_bank, tree_view, validate)
-from entmtp.app.service import Service, race_steps
+from entmtp.app.lesson import explain
+from entmtp.app.service import Service, lesson, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.figures import plots
 from entmtp.runtime.weights import LoadError
 from entmtp.spec.engine import GenerationError
+from entmtp.spec.topology import compile_tree
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
 EXAMPLES = [
@@ -84,7 +86,7 @@ def make_race(service: Service):
     def race(prompt, task, policy, baseline, max_new_tokens, temperature,
              model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5):
         def status(text):
-            return (gr.skip(),) * 6 + (f"<span class='badge running'>{text}</span>",) + (gr.skip(),) * 7
+            return (gr.skip(),) * 6 + (f"<span class='badge running'>{text}</span>",) + (gr.skip(),) * 9
 
         try:
             req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
@@ -109,15 +111,20 @@ def make_race(service: Service):
             pol = head["policy"]
             shipped = "" if head["fitted"] else ("  \n<small>⚠️ with the bank's shipped fit: this machine's fit is "
                                                  "being measured in the background (Bank tab)</small>")
-            last_chart = 0.0
+            last_chart, final = 0.0, (gr.skip(),) * 14
+            yield final + (plots.counterfactual_figure(None), [])
             for update in steps:
+                if "counterfactual" in update:  # after the last step: the final outputs again, with it
+                    cf = update["counterfactual"]
+                    yield final[:14] + (plots.counterfactual_figure(cf), counterfactual_rows(cf, ent))
+                    continue
                 ent.apply(update["sides"][0])
                 base.apply(update["sides"][1])
                 finished = ent.done and base.done
                 charts = finished or time.perf_counter() - last_chart > CHART_EVERY_S
                 view = tree_view(rt, trees, ent.records[-1]) if charts and ent.records else None
                 sides = {ent.name: ent.records, base.name: base.records}
-                yield (
+                final = (
                     ent.text, base.text, ent.spans, base.spans, ent.stats(base) + shipped, base.stats(),
                     badge(ent, base, req.temperature),
                     plots.race_figure(sides) if charts else gr.skip(),
@@ -127,13 +134,55 @@ def make_race(service: Service):
                     tree_plot(view) if charts else gr.skip(),
                     gr.update(maximum=max(2, len(ent.records)), value=len(ent.records), interactive=finished) if finished else gr.skip(),
                     [tree_view(rt, trees, r) for r in ent.records] if finished else gr.skip(),
+                    gr.skip(), gr.skip(),
                 )
+                yield final
                 if charts:
                     last_chart = time.perf_counter()
         finally:
             steps.close()  # a Stop closes this generator: the device work ends with it
 
     return race
+
+
+def make_lesson(service: Service, first: bool):
+    """Step through: the first step (`first`), or the step after the one shown, explained."""
+    models = service.models
+
+    def lesson_click(state, prompt, task, policy, baseline, max_new_tokens, temperature,
+                     model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5):
+        try:
+            req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
+            models.check(model)
+            for _ in service.wait_ready():
+                pass
+            models.get(model)
+        except RaceError as e:
+            raise gr.Error(str(e), title=e.title) from None
+        except (LoadError, GenerationError, ValueError) as e:
+            raise gr.Error(str(e), title="Cannot run this step") from None
+        if not first and state and state.get("done"):
+            return (gr.skip(), gr.skip(), "<span class='badge info'>the lesson's output is complete: press Step through "
+                    "to start again, or Continue for the whole race</span>", gr.skip(), state)
+        k = 1 if first or not state else state["k"] + 1
+        view = lesson(service.key, req, model, k)
+        tree = compile_tree(view["tree"]["paths"], view["tree"]["name"])
+        title = f"Lesson step {view['step']}: tree {tree.name} ({tree.n_nodes} nodes), {len(view['tokens'])} emitted"
+        badge_html = (f"<span class='badge info'>lesson: step {view['step']} of {view['label']}"
+                      + (" — output complete" if view["done"] else " — press Next step") + "</span>")
+        return (explain(view), plots.tree_figure(tree, view["accepted_nodes"], view["labels"], title=title), badge_html,
+                view["emitted"], {"k": view["step"], "done": view["done"]})
+
+    return lesson_click
+
+
+def counterfactual_rows(cf: dict, ent: Side) -> list[list]:
+    """The counterfactual's table: predicted tokens/step and tokens/s at this machine's step costs per
+    tree and policy on this output, and what the race measured."""
+    rows = [[name, per_step, tps, ""] for name, per_step, tps in cf["rows"]]
+    rows.append([f"measured in this race: {ent.name}", round(len(ent.ids) / max(1, len(ent.records)), 2), round(ent.tokens_per_s, 1),
+                 f"the counterfactual of the tree that ran equals what it accepted at {cf['agree']} of {len(cf['steps'])} steps"])
+    return rows
 
 
 def show_step(views, step):
@@ -178,6 +227,14 @@ the heads' path value *g_D*, or exp(−entropy), whichever predicted best for th
   the small one when it is ≤ τ_off. Where the fit finds that no switching pays, the Bank tab says
   so and τ runs one tree.
 
+### One step, slowly
+**Step through EntMTP** (under Run) decodes one step per click with the same engine and explains
+it: why the policy chose this tree (its confidence signal against the thresholds), every drafted
+node with the probability its head gave it, and the verdict of the one verification pass: accepted,
+or the token the model itself chose there (the first rejection ends the accepted path; nodes below
+it are never reached). The model's own token after the accepted path, the *bonus*, is the next
+step's root. **Continue to the end** then runs the whole race.
+
 ### Reading the charts
 - **Race**: tokens vs seconds. Both sides run interleaved, one step each in turn, and each side's
   clock adds up only *its own* measured prefill and step times, so neither is charged for the other.
@@ -187,6 +244,14 @@ the heads' path value *g_D*, or exp(−entropy), whichever predicted best for th
 - **Tree**: the tree verified at a step, each node labelled with its drafted token (␣ = space,
   ↵ = newline); the orange path was accepted. After a race, the slider replays any step.
 - **Tree usage**: how many steps each tree was used and how many tokens it produced.
+- **What every tree would have done** (temperature 0): at temperature 0 the output is the model's
+  own whatever tree verifies it, so one pass over it tells exactly how many tokens every bank tree
+  would have accepted at every step (the heatmap), which tree the policy picked (●) and which one
+  a policy that knew the outcome would have picked at this machine's step costs (✕); the table
+  gives this prompt's tokens/step and predicted tokens/s under each tree and policy.
+- **Bank tab, what if**: the same traces under another machine's step costs (the H200 of the GPU
+  check, the bank file's machine, or an idealised one where an extra tree row costs *r* × a plain
+  step): cheap rows move the front to deep trees, costly ones back to one or two nodes.
 
 Every race number is measured live on the machine serving this page; no token is made up.
 """
@@ -225,6 +290,10 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                     with gr.Row():
                         run = gr.Button("Run the race", variant="primary")
                         stop = gr.Button("Stop", variant="stop")
+                    with gr.Row():
+                        lesson_btn = gr.Button("Step through EntMTP", size="sm")
+                        next_btn = gr.Button("Next step", size="sm")
+                        cont_btn = gr.Button("Continue to the end", size="sm")
                     task = gr.Radio([(t, t) for t in TASKS], value="code", label="Task (chooses the tree bank)")
                     gr.Examples(EXAMPLES, inputs=[prompt, task], label="Examples",
                                 example_labels=[f"{t}: {p[:34]}…" for p, t in EXAMPLES])
@@ -264,6 +333,14 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                     step = gr.Slider(1, 2, value=1, step=1, label="Replay the tree of step… (after a race)", interactive=False)
                 with gr.Column(scale=1):
                     usage_plot = gr.Plot(plots.usage_figure([]), show_label=False)
+            with gr.Accordion("Lesson: one EntMTP step at a time (Step through, then Next step)", open=True):
+                lesson_md = gr.Markdown("*Press **Step through EntMTP** to run the race one decode step per click; the tree "
+                                        "chart above shows the step's tree with each node's head probability.*")
+                lesson_state = gr.State(None)
+            with gr.Accordion("What every tree would have done on this output (temperature 0)", open=True):
+                cf_plot = gr.Plot(plots.counterfactual_figure(None), show_label=False)
+                cf_table = gr.Dataframe(headers=["tree or policy", "tokens/step", "tokens/s (predicted at this machine's costs)", "note"],
+                                        interactive=False, label="This output under each tree and policy")
             with gr.Accordion("Plain text", open=False):
                 with gr.Row():
                     ent_text = gr.Textbox(label="EntMTP text", lines=6)
@@ -289,11 +366,18 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             gr.Markdown(HOW_IT_WORKS)
 
         outputs = [ent_text, base_text, ent_hl, base_hl, ent_stats, base_stats, out_badge,
-                   race_plot, acc_plot, feat_plot, usage_plot, tree_out, step, views]
+                   race_plot, acc_plot, feat_plot, usage_plot, tree_out, step, views, cf_plot, cf_table]
         race_inputs = [prompt, task, policy, baseline, max_new, temperature, model, seed, custom_tau, tau_on, tau_off]
         event = run.click(make_race(service), race_inputs, outputs, api_name="race",
                           concurrency_limit=cfg.concurrency, concurrency_id="race")
-        stop.click(None, None, None, cancels=[event])
+        lesson_outputs = [lesson_md, tree_out, out_badge, ent_text, lesson_state]
+        lesson_btn.click(make_lesson(service, first=True), [lesson_state, *race_inputs], lesson_outputs, api_name="lesson_step",
+                         concurrency_limit=cfg.concurrency, concurrency_id="race")
+        next_btn.click(make_lesson(service, first=False), [lesson_state, *race_inputs], lesson_outputs, api_visibility="private",
+                       concurrency_limit=cfg.concurrency, concurrency_id="race")
+        continued = cont_btn.click(make_race(service), race_inputs, outputs, api_visibility="private",
+                                   concurrency_limit=cfg.concurrency, concurrency_id="race")
+        stop.click(None, None, None, cancels=[event, continued])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 
         def what_if(task, model, choice="here", r=0.1, progress=None):

@@ -502,7 +502,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(f"entmtp: weights {rt.weights} ({rt.load_s:.1f} s)", flush=True)
     built = ext.build_report()
     if built:
-        print(f"entmtp: CPU kernels {'built' if built['built'] else 'found built'} for this CPU ({built['seconds']:.1f} s)")
+        print(f"entmtp: CPU kernels ready for this CPU ({built['seconds']:.1f} s)")
     elif ext.extension_error():
         print(f"entmtp: CPU kernels not used here: {ext.extension_error()}")
     for kind in ("hydra", "medusa"):

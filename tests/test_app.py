@@ -97,6 +97,23 @@ def test_race_streams_and_matches_ar(served, ar_text):
     assert any(len(t) < len(ent_text) for t in streamed)
 
 
+def test_counterfactual_of_a_greedy_race(served):
+    """After a race at temperature 0: every bank tree's and policy's outcome on its output, and the
+    tree that ran reproduced exactly by the counterfactual pass at every step."""
+    _, models, client = served
+    out = client.predict(PROMPT, "code", "tau", "hydra", N_NEW, 0.0, api_name="/race")
+    rows = out[14]["data"]
+    bank = models.get(None).bank("code")
+    names = [r[0] for r in rows]
+    assert [n for n in names if n.startswith("tree ")] == [f"tree {t.name} ({t.n_nodes} nodes)" for t in bank.trees]
+    assert {f"policy {p}" for p in bank.policies} <= set(names) and any(n.startswith("foresight") for n in names)
+    foresight = next(r for r in rows if r[0].startswith("foresight"))
+    assert all(foresight[2] >= r[2] - 1e-6 for r in rows if r[0].startswith(("tree ", "policy ", "this race")))  # the ceiling
+    agree = rows[-1][3]
+    steps = agree.split(" of ")[-1].split()[0]
+    assert f"at {steps} of {steps} steps" in agree, agree
+
+
 def test_two_races_at_once(served, ar_text):
     _, _, client = served
     jobs = [
@@ -120,13 +137,19 @@ def test_sampling_race_completes(served):
     assert "sampling" in out[6]
 
 
-def test_stop_cancels_a_running_race(served):
-    _, _, client = served
+def streaming_race(client, updates: int):
+    """A 1024-token race, once it has streamed `updates` updates."""
     job = client.submit(PROMPT, "chat", "static", "ar", 1024, 0.0, api_name="/race")
     deadline = time.monotonic() + 300
-    while len(job.outputs()) < 2:
+    while len(job.outputs()) < updates:
         assert time.monotonic() < deadline and not job.done(), "the race never streamed"
         time.sleep(0.1)
+    return job
+
+
+def test_stop_cancels_a_running_race(served):
+    _, _, client = served
+    job = streaming_race(client, 2)
     job.cancel()
     time.sleep(3.0)  # the step in flight finishes, then the generator is closed
     n = len(job.outputs())

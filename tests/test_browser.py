@@ -105,6 +105,9 @@ def test_race_in_the_browser(page, task, policy, baseline, custom_tau):
     expect(page.locator(".js-plotly-plot .main-svg").first).to_be_visible()
     assert page.locator(".js-plotly-plot").count() >= 5
     expect(page.locator(".js-plotly-plot", has_text="tok/s").first).to_be_visible()
+    # and what every tree would have done on this output (temperature 0)
+    expect(page.locator(".js-plotly-plot", has_text="What every tree would have accepted").first).to_be_visible(timeout=60_000)
+    expect(page.get_by_role("grid", name="This output under each tree and policy")).to_contain_text("tree n1-d0", timeout=60_000)
     if not custom_tau:
         page.wait_for_timeout(500)  # let the last figures settle before the picture
         page.screenshot(path=os.path.join(ASSETS, f"screenshot-{task}.png"), full_page=True)
@@ -149,3 +152,28 @@ def test_bank_what_if_changes_with_the_hardware(page):
     page.screenshot(path=os.path.join(ASSETS, "screenshot-bank-whatif.png"), full_page=True)
     page.get_by_role("radio", name="this machine's fit").check()
     page.get_by_role("tab", name="Race").click()
+
+
+def test_step_through_then_continue(page):
+    """Lesson mode: one decode step per click, each explained; Continue then runs the whole race,
+    which ends with the badge (the same output as a normal race)."""
+    from playwright.sync_api import expect
+
+    page.get_by_label("Prompt").fill(PROMPTS["code"])
+    page.get_by_role("radio", name="code", exact=True).check()
+    page.get_by_role("radio", name="EntMTPτ (two trees, hysteresis)", exact=True).check()
+    page.get_by_role("radio", name="Hydra (63-node default tree)", exact=True).check()
+    page.get_by_role("button", name="Step through EntMTP", exact=True).click()
+    expect(page.locator("h3", has_text="Step 1:")).to_be_visible(timeout=180_000)
+    expect(page.locator(".badge.info", has_text="lesson: step 1")).to_be_visible()
+    expect(page.locator("td", has_text="root: the model's own token").first).to_be_visible()
+    for k in (2, 3):
+        page.get_by_role("button", name="Next step", exact=True).click()
+        expect(page.locator("h3", has_text=f"Step {k}:")).to_be_visible(timeout=120_000)
+        expect(page.locator("p", has_text="Why this tree:").first).to_be_visible()
+    expect(page.locator(".js-plotly-plot", has_text="Lesson step 3").first).to_be_visible()
+    assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
+    page.screenshot(path=os.path.join(ASSETS, "screenshot-lesson.png"), full_page=True)
+    page.get_by_role("button", name="Continue to the end", exact=True).click()
+    expect(page.locator(".badge.same")).to_be_visible(timeout=300_000)
+    assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()

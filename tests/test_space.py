@@ -117,6 +117,15 @@ def wait_until_served(proc: subprocess.Popen, url: str, log: Path) -> None:
     pytest.fail(f"app.py did not serve {url} within {SERVE_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def test_space_without_network_serves_identical_race_texts(tmp_path, monkeypatch):
     from gradio_client import Client
 
@@ -149,12 +158,7 @@ def test_space_without_network_serves_identical_race_texts(tmp_path, monkeypatch
         assert ent and ent.strip(), (result[:2], log.read_text()[-3000:])
         assert ent == base, (ent, base)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     t_end = time.monotonic()
     print(f"\nvenv {t_venv:.0f} s, hub cache {t_weights - t0 - t_venv:.0f} s, weights check {t_app - t_weights:.0f} s, "
           f"app served {t_served - t_app:.0f} s, race {t_end - t_served:.0f} s; whole test {t_end - t0:.0f} s; {weights}")

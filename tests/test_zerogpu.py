@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ from entmtp.app.race import Models, Request
 from entmtp.app.service import Service, fit_banks, race_steps
 from entmtp.config import DEFAULT_MODEL, ROOT, TASKS
 from entmtp.runtime.weights import cache_root
-from test_app import free_port
+from test_app import free_port, streaming_race
+from test_space import stop, wait_until_served
 
 FAKE = ROOT / "tests" / "fake_spaces"
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
@@ -82,23 +81,11 @@ def space(tmp_path_factory):
     out = open(tmp / "app.log", "w")
     proc = subprocess.Popen([sys.executable, str(FAKE / "serve.py")], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 300
     try:
-        while True:
-            assert proc.poll() is None, (tmp / "app.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the app was not served within 300 s"
-            try:
-                with urllib.request.urlopen(url, timeout=5):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_until_served(proc, url, tmp / "app.log")
         yield url, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         print((tmp / "app.log").read_text()[-2000:])
 
 
@@ -131,12 +118,7 @@ def test_stop_ends_the_gpu_work(space):
     from gradio_client import Client
 
     url, log = space
-    client = Client(url, verbose=False)
-    job = client.submit(PROMPT, "chat", "static", "ar", 1024, 0.0, api_name="/race")
-    deadline = time.monotonic() + 300
-    while len(job.outputs()) < 3:
-        assert time.monotonic() < deadline and not job.done(), "the race never streamed"
-        time.sleep(0.1)
+    job = streaming_race(Client(url, verbose=False), 3)
     job.cancel()
     deadline = time.monotonic() + 30
     while not any(e.get("closed") == "race_steps" for e in entries(log)):

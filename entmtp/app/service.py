@@ -23,7 +23,10 @@ import gradio as gr
 import torch
 
 from entmtp.app import gpu
-from entmtp.app.race import (Models, PerProcess, RaceError, Request, bank_for, bank_note, has_bank, start)
+from entmtp.app.counterfactual import counterfactual
+from entmtp.app.lesson import lesson_step
+from entmtp.app.race import (Models, PerProcess, RaceError, Request, bank_for, bank_note, entmtp_policy, has_bank, start)
+from entmtp.config import GenerationConfig
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.model import ext
 from entmtp.runtime.weights import LoadError, default_weights_kind
@@ -31,7 +34,7 @@ from entmtp.spec.engine import GenerationError
 from entmtp.spec.policy import TauPolicy
 
 YIELDS_PER_S = 15  # a race's updates: each is pickled across the ZeroGPU process boundary
-RACE_START_S = 10.0  # a cold GPU worker: weights onto the device, the policy's graphs, two prefills
+RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's graphs, two prefills) and the counterfactual pass
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
 DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
@@ -236,7 +239,8 @@ def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") 
 def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dict[str, Any]]:
     """A race on the device: first {"fingerprint", "names", "fitted", "note", "policy"}, then
     {"sides": (EntMTP's delta, the baseline's delta)} at most YIELDS_PER_S a second, the last one
-    when both sides are done. Never a tensor, never a model object. On ZeroGPU the race ends
+    when both sides are done, then at temperature 0 {"counterfactual": what every bank tree would
+    have done on this output}. Never a tensor, never a model object. On ZeroGPU the race ends
     itself before the GPU time it asked for runs out."""
     svc = _services[key]
     try:
@@ -267,9 +271,30 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
                     last = time.monotonic()
                     yield {"sides": (ent.delta(), base.delta())}
                 if finished:
-                    return
+                    break
+            if req.temperature == 0 and not ent.cut and not bank.meta.get("fallback") and bank.max_depth:
+                yield {"counterfactual": counterfactual(rt, bank, pol, ent.name, rt.encode(req.prompt), ent.ids, ent.records)}
     except GenerationError as e:
         raise gr.Error(str(e), title="The race stopped") from None
     finally:
         for side in (ent, base):
             side.stop("stopped")
+
+
+@gpu.on_gpu(duration=lambda key, req, model, k: RACE_START_S + (k + 1) * STEP_BUDGET_MS / 1e3)
+def lesson(key: int, req: Request, model: str | None, k: int) -> dict[str, Any]:
+    """Step k of EntMTP on the request's prompt, explained (`lesson.lesson_step`), as plain data."""
+    svc = _services[key]
+    try:
+        rt = svc.models.get(model)
+        bank = bank_for(rt, req.task, mode=None if not rt.needs_calibration(req.task) else "shipped")
+        policy, label = entmtp_policy(bank, req)
+        gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
+        with svc.models.runtime_lock(model):
+            rt.heads("hydra")
+        with svc.turns.race():
+            return lesson_step(rt, bank, policy, label, rt.encode(req.prompt), gen, k)
+    except RaceError as e:
+        raise gr.Error(str(e), title=e.title) from None
+    except (LoadError, GenerationError, ValueError) as e:
+        raise gr.Error(str(e), title="Cannot run this step") from None

@@ -40,7 +40,7 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     entropy = torch.nan_to_num(-(probs * logp).sum(-1))
 
     cont = torch.tensor(continuation, device=device)
-    inverse = _draft_index(heads, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
+    inverse = draft_index(heads, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
     ranks = torch.full((n, depth), -1, dtype=torch.long)
     chain = torch.zeros((n, depth))
     top_path = cont[:, None]  # (N, 1): roots; the heads' own top-1 chain grows from here
@@ -60,7 +60,7 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
 
 
-def _draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:
+def draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:
     """(V,) token id -> index in the heads' draft vocabulary, -1 where absent."""
     dv = heads.draft_vocab
     if not dv.numel():

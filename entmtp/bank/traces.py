@@ -144,26 +144,32 @@ def simulate(tables: Tables, choose_factory: Callable[[], Callable[[float], int]
     return Outcome(tokens, steps, ms, picks)
 
 
+def foresight_choices(tables: Tables, j: int, step_ms: Sequence[float], among: Sequence[int] | None = None) -> tuple[list[int], float]:
+    """(tree at every position, ms of the fastest decode) of trace `j` for a policy that knew each
+    step's accepted length before choosing: backwards over positions, best[i] = min over trees k of
+    step_ms[k] + best[i + accepted(k, i)]; the first of `among` (default: every tree) on a tie."""
+    among = list(range(len(tables.trees))) if among is None else list(among)
+    n = len(tables.traces[j])
+    best, choice = [0.0] * (n + 1), [0] * n
+    for i in range(n - 1, -1, -1):
+        best[i], choice[i] = min(((step_ms[k] + best[min(n, i + tables.accepted[k][j][i])], k) for k in among), key=lambda c: c[0])
+    return choice, best[0]
+
+
 def foresight(tables: Tables, step_ms: Sequence[float], prefill_ms_per_token: float = 0.0,
               among: Sequence[int] | None = None) -> Outcome:
     """The fastest decode of every trace that any per-step choice among the tables' trees (or the
-    trees `among`) allows: a policy that knew each step's accepted length before choosing.
-    Backwards over positions, best[i] = min over trees k of step_ms[k] + best[i + accepted(k, i)];
-    a ceiling on every policy over those trees, not a policy."""
-    among = list(range(len(tables.trees))) if among is None else list(among)
+    trees `among`) allows (`foresight_choices`): a ceiling on every policy over those trees, not a policy."""
     tokens, ms = 0, 0.0
     picks: list[int] = []
     for j, trace in enumerate(tables.traces):
         n = len(trace)
-        after = lambda k, i: min(n, i + tables.accepted[k][j][i])  # noqa: E731  (position after tree k's step at i)
-        best, choice = [0.0] * (n + 1), [0] * n
-        for i in range(n - 1, -1, -1):  # the first of `among` on a tie
-            best[i], choice[i] = min(((step_ms[k] + best[after(k, i)], k) for k in among), key=lambda c: c[0])
-        ms += prefill_ms_per_token * trace.prompt_tokens + best[0]
+        choice, fastest = foresight_choices(tables, j, step_ms, among)
+        ms += prefill_ms_per_token * trace.prompt_tokens + fastest
         i = 0
         while i < n:
             picks.append(choice[i])
-            i = after(choice[i], i)
+            i = min(n, i + tables.accepted[choice[i]][j][i])
         tokens += n
     return Outcome(tokens, len(picks), ms, picks)
 

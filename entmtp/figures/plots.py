@@ -248,6 +248,27 @@ def usage_figure(records: Sequence[StepRecord], height: int = 320) -> go.Figure:
     return _layout(fig, title, height, sub, legend="inside", showlegend=False)
 
 
+def counterfactual_figure(cf: dict | None, height: int = 360) -> go.Figure:
+    """Every bank tree's accepted length at every step of a race's output (a heatmap), with the tree
+    the policy picked and the one a policy with foresight would have picked."""
+    title = "What every tree would have accepted at each step of this output"
+    sub = "colour: tokens accepted (root included); ● the policy's pick; ✕ foresight's pick at this machine's costs"
+    if not cf or not cf.get("steps"):
+        return empty_figure(title, "After a race at temperature 0, every tree's outcome on its output appears here.", height, sub)
+    steps, names = cf["steps"], [f"{n} ({k})" for n, k in zip(cf["trees"], cf["nodes"])]
+    x = [s["step"] for s in steps]
+    fig = go.Figure(go.Heatmap(z=[[s["accepted"][k] for s in steps] for k in range(len(names))], x=x, y=names,
+                               colorscale="Oranges", colorbar={"title": "tokens"},
+                               hovertemplate="step %{x}, %{y}: %{z} tokens<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[names[s["picked"]] for s in steps], mode="markers", name="the policy's pick",
+                             marker={"symbol": "circle", "size": 8, "color": COLORS[1], "line": {"width": 1, "color": "white"}}))
+    fig.add_trace(go.Scatter(x=x, y=[names[s["foresight"]] for s in steps], mode="markers", name="foresight's pick",
+                             marker={"symbol": "x", "size": 8, "color": "#212529"}))
+    fig.update_xaxes(title_text="decode step")
+    fig.update_yaxes(automargin=True, type="category")
+    return _layout(fig, title, height, sub)
+
+
 def _tree_coords(tree: Tree) -> list[tuple[float, float]]:
     """(depth, row) per node: leaves on consecutive rows, a parent at the mean of its children."""
     y = [0.0] * tree.n_nodes
@@ -322,7 +343,7 @@ def front_figure(bank: TopologyBank, baseline: dict | None = None, height: int =
     if not measured:
         return empty_figure(title, "This bank has no measurements (built-in fallback): build one with `python -m entmtp build-bank`.", height, sub)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
-                        subplot_titles=("mean accepted tokens per step", "tokens / s (measured step × traced acceptance)"))
+                        subplot_titles=("mean accepted tokens per step", "tokens / s (step cost × traced acceptance)"))
     widest = max([bank.trees[i].n_nodes for i in measured] + [baseline["n_nodes"] if baseline else 1])
     used: dict[int, list[str]] = {}
     for name, pol in bank.policies.items():

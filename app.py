@@ -25,13 +25,12 @@ import gradio as gr
 
 from entmtp.app import gpu, whatif
 from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_rows,
-                             bank_trees, bank_view, live_bank, tree_view, validate)
+                             bank_trees, fallback_bank, live_bank, tau_defaults, tree_view, validate)
 from entmtp.app.lesson import explain
-from entmtp.app.service import Service, lesson, race_steps
+from entmtp.app.service import Service, lesson, page_errors, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.figures import plots
 from entmtp.runtime.weights import LoadError
-from entmtp.spec.engine import GenerationError
 from entmtp.spec.topology import compile_tree
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
@@ -88,7 +87,7 @@ def make_race(service: Service):
         def status(text):
             return (gr.skip(),) * 6 + (f"<span class='badge running'>{text}</span>",) + (gr.skip(),) * 9
 
-        try:
+        with page_errors("Cannot run this race"):
             req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
             models.check(model)
             for text in service.wait_ready():
@@ -98,10 +97,6 @@ def make_race(service: Service):
             rt = models.get(model)
             trees = bank_trees(rt, req.task)
             service.queue_fit(model, req.task)
-        except RaceError as e:
-            raise gr.Error(str(e), title=e.title) from None
-        except (LoadError, GenerationError, ValueError) as e:
-            raise gr.Error(str(e), title="Cannot run this race") from None
         steps = race_steps(service.key, req, model)
         try:
             head = next(steps)
@@ -151,16 +146,12 @@ def make_lesson(service: Service, first: bool):
 
     def lesson_click(state, prompt, task, policy, baseline, max_new_tokens, temperature,
                      model=None, seed=0, custom_tau=False, tau_on=0.8, tau_off=0.5):
-        try:
+        with page_errors("Cannot run this step"):
             req = validate(prompt, task, policy, baseline, max_new_tokens, temperature, seed, custom_tau, tau_on, tau_off)
             models.check(model)
             for _ in service.wait_ready():
                 pass
             models.get(model)
-        except RaceError as e:
-            raise gr.Error(str(e), title=e.title) from None
-        except (LoadError, GenerationError, ValueError) as e:
-            raise gr.Error(str(e), title="Cannot run this step") from None
         if not first and state and state.get("done"):
             return (gr.skip(), gr.skip(), "<span class='badge info'>the lesson's output is complete: press Step through "
                     "to start again, or Continue for the whole race</span>", gr.skip(), state)
@@ -380,10 +371,10 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
         stop.click(None, None, None, cancels=[event, continued])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 
-        def what_if(task, model, choice="here", r=0.1, progress=None):
-            """The Bank tab under the chosen machine's step costs: figure, table, summary, feature ranks."""
+        def what_if(bank, task, model, choice="here", r=0.1, progress=None):
+            """The Bank tab for `bank` (the live one) under the chosen machine's step costs: figure,
+            table, summary, feature ranks."""
             try:
-                bank, _ = live_bank(models, task, model, service.fit_status(model, task))
                 rt = models.loaded(model)
                 if rt is None:
                     return (plots.front_figure(bank, bank.fit.get("baseline")), bank_rows(bank),
@@ -395,25 +386,27 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             except (RaceError, LoadError, ValueError) as e:
                 return gr.skip(), gr.skip(), f"❌ {e}", []
 
+        def live(task, model):
+            """(bank, note) as races use them now, or the error as the note."""
+            try:
+                return live_bank(models, task, model, service.fit_status(model, task))
+            except (RaceError, LoadError) as e:
+                return None, f"❌ {e}"
+
         def show(task, model, choice="here", r=0.1):
             """The race column's note and τ sliders (the bank as races use it), and the Bank tab."""
-            try:
-                fit = service.fit_status(model, task)
-            except RaceError:
-                fit = ""
-            note, _, _, on, off = bank_view(models, task, model, fit)
-            return note, note, on, off, *what_if(task, model, choice, r)
+            bank, note = live(task, model)
+            if bank is None:
+                return note, note, 0.8, 0.5, plots.front_figure(fallback_bank()), [], "", []
+            return note, note, *tau_defaults(bank), *what_if(bank, task, model, choice, r)
 
         def what_if_event(task, model, choice, r, progress=gr.Progress()):
-            return what_if(task, model, choice, r, progress)
+            bank, note = live(task, model)
+            return what_if(bank, task, model, choice, r, progress) if bank is not None else (gr.skip(), gr.skip(), note, [])
 
         def do_refit(task, model, choice, r):
-            try:
+            with page_errors("Cannot fit the bank", (LoadError,)):
                 service.fit(model, [task], "refit")
-            except RaceError as e:
-                raise gr.Error(str(e), title=e.title) from None
-            except LoadError as e:
-                raise gr.Error(str(e), title="Cannot fit the bank") from None
             return show(task, model, choice, r)
 
         bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features]

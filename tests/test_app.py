@@ -18,6 +18,7 @@ from entmtp.spec.heads import HydraHeads, MedusaHeads
 from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import default_heads_dir
 from entmtp.app import race
+from entmtp.figures import plots
 from conftest import ALL_THREADS
 
 pytestmark = pytest.mark.slow
@@ -253,7 +254,9 @@ def test_bank_view_says_where_its_numbers_come_from(served):
     rt = models.get(None)
     for task in ("code", "math", "chat"):
         bank = rt.bank(task)  # this machine's fit (measured now if the background fit has not yet)
-        note, fig, rows, on, off = race.bank_view(models, task, None)
+        shown, note = race.live_bank(models, task, None)
+        fig, rows = plots.front_figure(shown, shown.fit.get("baseline")), race.bank_rows(shown)
+        on, off = race.tau_defaults(shown)
         assert bank.fit["hardware"] in note
         assert ("this machine" in note) == rt.fitted_here(task)
         assert ("Ceiling:" in note) == bool(bank.fit.get("ceiling"))  # what no policy over this bank can beat

@@ -22,6 +22,8 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, Callable
 
+from entmtp.runtime.weights import cache_root
+
 try:  # importing it first is app.py's business (before anything initialises CUDA)
     import spaces
 except ImportError:
@@ -93,7 +95,7 @@ def on_gpu(duration: Callable[..., float]):
 
 
 def record_file() -> Path:
-    return Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp")) / "zerogpu-device.json"
+    return cache_root() / "zerogpu-device.json"
 
 
 def remember(fingerprint: dict[str, Any]) -> None:

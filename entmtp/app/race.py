@@ -406,16 +406,6 @@ def live_bank(models: Models, task: str, model: str | None, status: str = "") ->
     return bank, bank_note(rt, task, bank)
 
 
-def bank_view(models: Models, task: str, model: str | None, status: str = ""):
-    """(note, bank figure, table rows, τ_on, τ_off) for the Bank tab and the race column (`live_bank`)."""
-    try:
-        bank, note = live_bank(models, task, model, status)
-    except (RaceError, LoadError) as e:
-        return f"❌ {e}", plots.front_figure(fallback_bank()), [], 0.8, 0.5
-    on, off = tau_defaults(bank)
-    return note, plots.front_figure(bank, bank.fit.get("baseline")), bank_rows(bank), on, off
-
-
 def bank_rows(bank: TopologyBank) -> list[list]:
     """The Bank tab's table: per tree, its size, acceptance, cost and predicted speed, and its policies."""
     return [[t.name, t.n_nodes, t.max_depth, st.get("mean_accepted"), st.get("step_ms"), st.get("tokens_per_s"),

@@ -11,7 +11,6 @@ with the bank file's shipped fit (and says so) while the fit is measured in the 
 from __future__ import annotations
 
 import contextvars
-import itertools
 import queue
 import threading
 import time
@@ -39,6 +38,25 @@ STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
 DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
 _services: dict[int, "Service"] = {}
+
+
+@contextmanager
+def page_errors(title: str, errors: tuple = (LoadError, GenerationError, ValueError)):
+    """A refused request (`RaceError`, under its own title) or one of `errors` (under `title`) as the
+    message the page shows: a `gr.Error`, which also crosses the ZeroGPU process boundary intact."""
+    try:
+        yield
+    except RaceError as e:
+        raise gr.Error(str(e), title=e.title) from None
+    except errors as e:
+        raise gr.Error(str(e), title=title) from None
+
+
+def race_bank(rt, task: str):
+    """(bank, fitted): the task's bank under this machine's fit where one exists (never timed
+    here), else under the bank file's shipped fit."""
+    fitted = not rt.needs_calibration(task)
+    return bank_for(rt, task, mode=None if fitted else "shipped"), fitted
 
 
 def race_seconds(req: Request) -> float:
@@ -228,10 +246,8 @@ def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") 
     block of timing in a `Turns.fit_block`, so races go first)."""
     svc = _services[key]
     rt = svc.models.get(model)
-    try:
+    with page_errors("Cannot fit the bank", (LoadError,)):
         banks = rt.banks(list(tasks), svc.progress(model, tasks), mode, svc.turns.fit_block)
-    except LoadError as e:
-        raise gr.Error(str(e), title="Cannot fit the bank") from None
     return rt.fingerprint, {task: bank.fit for task, bank in banks.items()}
 
 
@@ -243,15 +259,10 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
     have done on this output}. Never a tensor, never a model object. On ZeroGPU the race ends
     itself before the GPU time it asked for runs out."""
     svc = _services[key]
-    try:
+    with page_errors("Cannot run this race"):
         rt = svc.models.get(model)
-        fitted = not rt.needs_calibration(req.task)
-        bank = bank_for(rt, req.task, mode=None if fitted else "shipped")
+        bank, fitted = race_bank(rt, req.task)
         ent, base, pol = start(rt, req, bank, svc.models.runtime_lock(model))
-    except RaceError as e:
-        raise gr.Error(str(e), title=e.title) from None
-    except (LoadError, GenerationError, ValueError) as e:
-        raise gr.Error(str(e), title="Cannot run this race") from None
     tau = (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) and pol.small != pol.large else None
     yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "fitted": fitted,
            "note": bank_note(rt, req.task, bank), "policy": {"tau": tau, "feature": pol.feature, "depth": pol.depth or bank.max_depth}}
@@ -259,7 +270,7 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
     last = 0.0
     try:
         with svc.turns.race():
-            for _ in itertools.count():
+            while True:
                 for side in (ent, base):
                     if not side.done:
                         side.advance(rt)
@@ -285,16 +296,12 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
 def lesson(key: int, req: Request, model: str | None, k: int) -> dict[str, Any]:
     """Step k of EntMTP on the request's prompt, explained (`lesson.lesson_step`), as plain data."""
     svc = _services[key]
-    try:
+    with page_errors("Cannot run this step"):
         rt = svc.models.get(model)
-        bank = bank_for(rt, req.task, mode=None if not rt.needs_calibration(req.task) else "shipped")
+        bank, _ = race_bank(rt, req.task)
         policy, label = entmtp_policy(bank, req)
         gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
         with svc.models.runtime_lock(model):
             rt.heads("hydra")
         with svc.turns.race():
             return lesson_step(rt, bank, policy, label, rt.encode(req.prompt), gen, k)
-    except RaceError as e:
-        raise gr.Error(str(e), title=e.title) from None
-    except (LoadError, GenerationError, ValueError) as e:
-        raise gr.Error(str(e), title="Cannot run this step") from None

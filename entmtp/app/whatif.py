@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from entmtp.bank.bank import TopologyBank
+from entmtp.bank.calibrate import tree_key
 from entmtp.bank.fit import fit_task
 from entmtp.config import BASELINE_TREE, ROOT, TREES_FILE
 from entmtp.runtime.runtime import resolve_bank
@@ -103,7 +104,7 @@ _fits: dict[tuple, dict] = {}
 
 def refit(bank: TopologyBank, curve: Curve) -> TopologyBank:
     """The bank under the fit `calibrate` would make on the curve's machine (cached per bank and curve)."""
-    key = (bank.meta.get("model"), bank.meta.get("task"), tuple(t.as_lists().__repr__() for t in bank.trees), curve)
+    key = (bank.meta.get("model"), bank.meta.get("task"), tuple(tree_key(t) for t in bank.trees), curve)
     if key not in _fits:
         base = load_named_trees(TREES_FILE)[BASELINE_TREE]
         fit = fit_task(bank.trees, bank.traces, list(curve.step_ms), curve.prefill_ms_per_token, 12,
@@ -156,8 +157,8 @@ def bank_tab(rt, task: str, choice: str, r: float, live: TopologyBank, fitted_he
         source = ("measured on this machine" if fitted_here
                   else "the bank file's shipped fit, measured on another machine (this machine's is not measured yet)")
         return summary(live, from_fit("here", live, live.fit, source)), live
-    shipped = resolve_bank(rt.name, task, rt.banks_dir)
     if choice == "shipped":
+        shipped = resolve_bank(rt.name, task, rt.banks_dir)
         curve = from_fit("shipped", shipped, shipped.shipped_fit, f"measured on {shipped.shipped_fit.get('hardware', '?')}")
     elif choice == "gpu":
         path = latest_gpu_result()

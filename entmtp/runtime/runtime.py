@@ -146,6 +146,11 @@ class Runtime:
         label = serve.label(self.model) + ("" if graphs is None else "+cuda-graphs" + ("-compiled" if graphs.compile else ""))
         return fingerprint(self.model, label)
 
+    @property
+    def fits_root(self) -> Path:
+        """Where this machine's fits are cached."""
+        return self.cache_root or cache_root(ModelConfig())
+
     def banks(self, tasks: list[str], progress: Any = None, mode: str | None = None, turn: Any = None) -> dict[str, TopologyBank]:
         """The tasks' banks under the fit `mode` (default: `fit_mode`) asks for; tasks that need
         calibrating are timed together (each block of timing inside `turn()`, see
@@ -158,14 +163,14 @@ class Runtime:
             return {t: self._banks[t] for t in tasks}
         if not self._trees:
             self._trees = load_named_trees(TREES_FILE)
-        root = self.cache_root or cache_root(ModelConfig())
+        root, fp = self.fits_root, self.fingerprint
         need = {t: resolve_bank(self.name, t, self.banks_dir) for t in wanted}
-        timing = mode == "refit" or any(known_fit(b, self.fingerprint, root, mode) is None for b in need.values())
+        timing = mode == "refit" or any(known_fit(b, fp, root, mode) is None for b in need.values())
         with self._timing if timing else contextlib.nullcontext():  # a second caller finds the first one's fit
             if timing and mode != "refit":
                 need = {t: b for t, b in need.items() if t not in self._banks}
             try:
-                got = resolve_fits(self.engine, self.heads("hydra"), need, self.fingerprint, root, mode, self.calibrate_config,
+                got = resolve_fits(self.engine, self.heads("hydra"), need, fp, root, mode, self.calibrate_config,
                                    self._trees[BASELINE_TREE], progress or self.progress, turn or contextlib.nullcontext)
             except BankError as e:
                 raise LoadError(str(e)) from None
@@ -179,13 +184,14 @@ class Runtime:
         if task in self._banks:
             return False
         bank = resolve_bank(self.name, task, self.banks_dir)
-        return known_fit(bank, self.fingerprint, self.cache_root or cache_root(ModelConfig()), self.fit_mode) is None
+        return known_fit(bank, self.fingerprint, self.fits_root, self.fit_mode) is None
 
     def fitted_here(self, task: str) -> bool:
         """Whether the task's bank has a fit measured on this machine (never times anything)."""
+        fp = self.fingerprint
         fit = self._banks[task].fit if task in self._banks else known_fit(
-            resolve_bank(self.name, task, self.banks_dir), self.fingerprint, self.cache_root or cache_root(ModelConfig()), self.fit_mode)
-        return fit is not None and fit.get("fingerprint") == self.fingerprint
+            resolve_bank(self.name, task, self.banks_dir), fp, self.fits_root, self.fit_mode)
+        return fit is not None and fit.get("fingerprint") == fp
 
     def adopt_fits(self, fits: dict[str, dict[str, Any]]) -> None:
         """Use fits measured elsewhere for this model's banks (by task): a GPU worker's, on ZeroGPU."""

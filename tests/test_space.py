@@ -6,7 +6,7 @@ Its race API at temperature 0 must return two equal, non-empty texts.
 Time: the wheels of requirements.txt are built once into a wheelhouse kept under the entmtp
 cache (keyed by the file's hash; ~1 min, from pip's cache), and every run installs the fresh
 environment from it without an index, compiling bytecode as a Space's build does (~75 s); the
-page is then served in ~8 s and a first 48-token race ends ~20 s later (2-core AMD EPYC), with
+page is then served in 5-8 s and a first 48-token race ends ~11 s later (2-core AMD EPYC Zen 4), with
 the bank file's shipped fit while this machine's is measured in the background.
 The background fit is cached under ~/.cache/entmtp, which this test leaves in place (HOME is
 kept).

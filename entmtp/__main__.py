@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts per task whose reference answer is read teacher-forced (default: %(default)s)")
     tr.add_argument("--sharegpt-code", type=non_negative_int, default=t.sharegpt_code_prompts, metavar="N",
                     help="Python questions from chat's training split answered by the base model, as code (default: %(default)s)")
+    tr.add_argument("--everyday", type=non_negative_int, default=t.everyday_prompts, metavar="N",
+                    help="composed everyday requests (advice, how-to, messages, ...) answered by the base model, as chat "
+                         "(default: %(default)s)")
     tr.add_argument("--init", default="", metavar="DIR",
                     help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept unless "
                          "--new-vocab; Hydra mlp heads may grow deeper with --num-layers: new blocks start as the identity)")
@@ -147,11 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval-heads", help="held-out head accuracy and mean accepted length per task")
     ev.add_argument("--kind", choices=["hydra", "medusa", "both"], default="hydra")
-    ev.add_argument("--prompts", type=task_counts, default=EVAL_HEADS_PROMPTS, metavar="TASK=N,...",
-                    help="evaluation prompts per task (default: %(default)s)")
-    ev.add_argument("--prompts-per-task", type=positive_int, default=None, help="the same number for every task instead")
+    ev.add_argument("--prompts", type=set_counts, default=EVAL_HEADS_PROMPTS, metavar="SET=N,...",
+                    help="prompts per evaluation set (default: %(default)s; everyday: chat's everyday requests)")
+    ev.add_argument("--prompts-per-task", type=positive_int, default=None, help="the same number for every set instead")
     ev.add_argument("--max-new-tokens", type=positive_int, default=g.max_new_tokens)
-    ev.add_argument("--tasks", default=",".join(TASKS), help="comma-separated tasks (default: %(default)s)")
+    ev.add_argument("--tasks", default=",".join(EVAL_SETS), help="comma-separated evaluation sets (default: %(default)s)")
     ev.add_argument("--work", default=None, help="where the held-out corpus is cached (default: as train-heads)")
     add_model_args(ev)
 
@@ -226,17 +229,22 @@ def task_list(text: str) -> list[str]:
     return out
 
 
-def task_counts(text: str) -> tuple:
+def task_counts(text: str, names: tuple[str, ...] = TASKS, what: str = "task") -> tuple:
     """`code=75,math=240` -> (("code", 75), ("math", 240)); `none` -> ()."""
     if text.strip().lower() == "none":
         return ()
     out = []
     for part in text.split(","):
         task, _, n = part.partition("=")
-        if task.strip() not in TASKS:
-            raise argparse.ArgumentTypeError(f"unknown task {task.strip()!r} in {text!r} (expected {', '.join(TASKS)})")
+        if task.strip() not in names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {task.strip()!r} in {text!r} (expected {', '.join(names)})")
         out.append((task.strip(), positive_int(n.strip())))
     return tuple(out)
+
+
+def set_counts(text: str) -> tuple:
+    """`chat=48,everyday=72` -> (("chat", 48), ("everyday", 72)), over the evaluation sets."""
+    return task_counts(text, EVAL_SETS, "evaluation set")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -298,7 +306,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
         new_vocab=args.new_vocab,
     )
     kinds = _kinds(args.kind)
@@ -346,9 +354,9 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     from entmtp.runtime.weights import cache_root
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS]
+    bad = [t for t in tasks if t not in EVAL_SETS]
     if bad or not tasks:
-        raise UsageError(f"--tasks: unknown task(s) {bad or args.tasks!r} (expected {', '.join(TASKS)})")
+        raise UsageError(f"--tasks: unknown evaluation set(s) {bad or args.tasks!r} (expected {', '.join(EVAL_SETS)})")
     counts = dict(args.prompts)
     per_task = {t: args.prompts_per_task or counts[t] for t in tasks if args.prompts_per_task or t in counts}
     if not per_task:

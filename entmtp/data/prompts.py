@@ -23,6 +23,10 @@ and comes back in the same order on every call:
   (`sharegpt_code_pairs`). They stay in chat's split, so an evaluation or calibration
   conversation never trains the code heads either.
 
+- chat, a second evaluation set: everyday single-turn requests written for the project
+  (`entmtp.data.everyday`, `data/everyday/`); training composes its own instructions, none
+  sharing a word 4-gram with them.
+
 Prompt files are JSONL, one `{"prompt": str, "task": "code"|"math"|"chat"}` per line, `task`
 optional.
 """
@@ -39,7 +43,7 @@ import random
 import re
 from pathlib import Path
 
-from entmtp.config import ROOT, TASKS
+from entmtp.config import EVAL_SETS, ROOT, TASKS
 
 SPLITS = ("train", "calib", "eval")
 GSM8K_ENV = "ENTMTP_GSM8K_DIR"
@@ -255,6 +259,17 @@ def pairs(task: str, split: str = "train", n: int | None = None) -> list[tuple[s
 def eval_prompt_file(task: str, n: int | None = None) -> list[dict]:
     """The evaluation split of a task as prompt-file records `{"prompt", "task"}`."""
     return [{"prompt": p, "task": task} for p in prompts(task, "eval", n)]
+
+
+def eval_set(name: str, n: int | None = None) -> list[dict]:
+    """An evaluation set as prompt-file records `{"prompt", "task"}` ("everyday" is a chat set)."""
+    if name == "everyday":
+        from entmtp.data.everyday import eval_rows
+
+        return [{"prompt": r["prompt"], "task": "chat"} for r in eval_rows()][:n]
+    if name not in TASKS:
+        raise DataError(f"unknown evaluation set {name!r} (expected one of {', '.join(EVAL_SETS)})")
+    return eval_prompt_file(name, n)
 
 
 def read_prompt_file(path: str | os.PathLike, default_task: str | None = None) -> list[dict]:

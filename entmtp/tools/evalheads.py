@@ -4,7 +4,8 @@ Accuracy is read on self-generated answers to the calibration split (the same he
 `train-heads` reports on), beside the training-sample accuracy the heads' provenance records.
 
 The accepted length is that of the heads' own method (`hydra` or `medusa`) on Hydra's default
-tree over the evaluation split, computed exactly from acceptance traces (`bank.traces`): at
+tree, and on the small trees the CPU fits keep (`SMALL_TREES`), over each evaluation set (each
+task's eval split, and chat's everyday requests: `prompts.EVAL_SETS`), computed exactly from acceptance traces (`bank.traces`): at
 temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
 along it, position by position (tests check trace simulation against real rollouts). The
 greedy continuations depend on the base model only, so they are kept in the user cache
@@ -46,16 +47,33 @@ def continuations(rt, heads, prompts: list[list[int]], new_tokens: int, store, p
             for i in (progress(it, "greedy continuations", len(prompts)) if progress else it)]
 
 
-def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]]) -> tuple[list[int], list[int]]:
-    """Per prompt (tokens, steps) of `kind`'s heads on Hydra's default tree, from exact traces."""
-    from entmtp.spec.topology import load_named_trees
+# the small trees the CPU fits keep (every bank holds both): the first head alone, and the 3-deep chain
+SMALL_TREES = {"2-node": [[0]], "4-node": [[0], [0, 0], [0, 0, 0]]}
+
+
+def eval_trees() -> dict[str, Any]:
+    """Hydra's default tree, then SMALL_TREES, by name."""
+    from entmtp.spec.topology import compile_tree, load_named_trees
+
+    return {BASELINE_TREE: load_named_trees(TREES_FILE)[BASELINE_TREE],
+            **{name: compile_tree(paths) for name, paths in SMALL_TREES.items()}}
+
+
+def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]], trees: dict[str, Any] | None = None
+                ) -> dict[str, tuple[list[int], list[int]]]:
+    """Per tree, per prompt (tokens, steps) of `kind`'s heads, from exact traces (one record per prompt)."""
     from entmtp.bank.record import record
     from entmtp.bank.traces import decode_with
 
-    tree = load_named_trees(TREES_FILE)[BASELINE_TREE]
+    trees = trees or eval_trees()
+    depth = max(t.max_depth for t in trees.values())
     heads = rt.heads(kind)
-    pairs = [decode_with(tree, record(rt.engine, heads, p, c, tree.max_depth)) for p, c in zip(prompts, conts)]
-    return [t for t, _ in pairs], [s for _, s in pairs]
+    traces = [record(rt.engine, heads, p, c, depth) for p, c in zip(prompts, conts)]
+    out = {}
+    for name, tree in trees.items():
+        pairs = [decode_with(tree, tr) for tr in traces]
+        out[name] = ([t for t, _ in pairs], [s for _, s in pairs])
+    return out
 
 
 def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tokens: int, work: Path, cache_root: Path,
@@ -66,7 +84,7 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     "accepted": {kind: {task: row}}, "max_new_tokens"}.
     """
     log = log or (lambda line: print(line, flush=True))
-    from entmtp.data.prompts import eval_prompt_file
+    from entmtp.data.prompts import eval_set
     from entmtp.runtime.weights import eos_ids
     from entmtp.data.answers import AnswerStore, repo_store
     from entmtp.tools.train import build_corpus, head_accuracy
@@ -79,10 +97,11 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
                            end, TrainConfig(arch="prefix-mlp" if prefix else "mlp"), work, "calib", progress is not None,
                            repo_store(rt.name))
     store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
-    items = {task: [rt.encode(it["prompt"]) for it in eval_prompt_file(task, n)] for task, n in prompts_per_task.items()}
+    items = {name: [rt.encode(it["prompt"]) for it in eval_set(name, n)] for name, n in prompts_per_task.items()}
     conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}
-    report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "max_new_tokens": max_new_tokens,
-                              "tree": BASELINE_TREE, "method": "exact trace simulation at temperature 0"}
+    report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "small_trees": {},
+                              "max_new_tokens": max_new_tokens, "tree": BASELINE_TREE, "trees": SMALL_TREES,
+                              "method": "exact trace simulation at temperature 0"}
     for kind in kinds:
         heads = rt.heads(kind)
         acc = head_accuracy(heads, heldout)
@@ -93,13 +112,16 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
         for i, h in enumerate(acc):
             beside = f"   training top-1 {seen[i]['top1']:.3f}" if seen and i < len(seen) else ""
             log(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']}){beside}")
-        report["accepted"][kind] = {}
-        for task, prompts in items.items():
-            tokens, steps = accepted_on(rt, kind, prompts, conts[task])
-            lo, hi = bootstrap_ci(tokens, steps)
-            row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
-                   "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
-            report["accepted"][kind][task] = row
-            log(f"  {kind} ({BASELINE_TREE}) on {task} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
-                f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
+        report["accepted"][kind], report["small_trees"][kind] = {}, {}
+        for name, prompts in items.items():
+            for tree, (tokens, steps) in accepted_on(rt, kind, prompts, conts[name]).items():
+                lo, hi = bootstrap_ci(tokens, steps)
+                row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
+                       "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
+                if tree == BASELINE_TREE:
+                    report["accepted"][kind][name] = row
+                else:
+                    report["small_trees"][kind].setdefault(tree, {})[name] = row
+                log(f"  {kind} ({tree}) on {name} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
+                    f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
     return report

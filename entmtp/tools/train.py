@@ -5,7 +5,8 @@ normed hidden states and the answer's tokens: `hidden[j]` (H,) is the state that
 `tokens[j]`, so `hidden[0]` sits on the prompt's last token. An answer is either the base model's
 own greedy continuation ("self": batched, left-padded; it is what the heads see at inference;
 "sharegpt": the same for Python questions from chat's training split, more code for the code
-heads) or a reference answer read teacher-forced ("ref": cheaper per token, off-distribution paths).
+heads; "everyday": the same for composed everyday requests, `entmtp.data.everyday`) or a
+reference answer read teacher-forced ("ref": cheaper per token, off-distribution paths).
 
 Targets. The base model's distribution for `tokens[j]` is `softmax(lm_head(hidden[j]))`, so no
 logits are stored. At an anchor t, head i reads `hidden[t]` (Hydra also E(tokens[t..t+i])) and
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from entmtp.data import prompts as data
+from entmtp.data import everyday, prompts as data
 from entmtp.model import kv
 from entmtp.data.answers import AnswerStore
 from entmtp.config import TrainConfig
@@ -154,12 +155,14 @@ def prompt_states(model, prompt: list[int]) -> torch.Tensor:
 def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
     """(task, source, number of prompts) to build for `split` ("train", or "calib" held out)."""
     if split == "calib":
-        return [(t, "self", cfg.heldout_prompts) for t in data.TASKS]
+        extra = [("chat", "everyday", cfg.heldout_prompts)] if cfg.everyday_prompts else []
+        return [(t, "self", cfg.heldout_prompts) for t in data.TASKS] + extra
     extra = [("code", "sharegpt", cfg.sharegpt_code_prompts)] if cfg.sharegpt_code_prompts else []
+    extra += [("chat", "everyday", cfg.everyday_prompts)] if cfg.everyday_prompts else []
     return [(t, "self", n) for t, n in cfg.self_prompts] + extra + [(t, "ref", n) for t, n in cfg.ref_prompts]
 
 
-GENERATED = ("self", "sharegpt")  # sources answered greedily by the base model; "ref" is read teacher-forced
+GENERATED = ("self", "sharegpt", "everyday")  # sources answered greedily by the base model; "ref" is read teacher-forced
 
 
 SORT_BLOCK = 64  # prompts sorted by length together, so a larger --self-prompts count keeps earlier batches
@@ -179,6 +182,8 @@ def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prom
         raise TrainError("training and held-out corpora never read the eval split")
     if source == "sharegpt":  # Python questions from chat's split, answered by the base model
         rows = [(p, "") for p, _ in data.sharegpt_code_pairs(split)]
+    elif source == "everyday":  # composed everyday requests, answered by the base model
+        rows = [(p, "") for p in everyday.prompts(split)]
     elif source == "ref":
         rows = data.pairs(task, split)
     else:

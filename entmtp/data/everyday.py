@@ -1,0 +1,177 @@
+"""Everyday single-turn requests: the second chat evaluation set, and training instructions.
+
+Evaluation (`data/everyday/eval.jsonl`): 72 short requests written for this project (CC0, see
+`data/everyday/README.md`), eight kinds of nine: advice, explanation, creative, howto, rewriting,
+lists, smalltalk, messages. Never trained or calibrated on.
+
+Training and calibration: instructions composed from the templates and subjects below (also
+written for this project), in a fixed seeded order; every 10th is `calib`, the rest `train`. Any
+composed instruction that is an evaluation prompt or shares a word 4-gram with one is dropped
+(`overlaps`), so the two can never meet; tests check it against every evaluation set.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+
+from entmtp.config import ROOT
+
+EVAL_FILE = ROOT / "data" / "everyday" / "eval.jsonl"
+KINDS = ("advice", "explanation", "creative", "howto", "rewriting", "lists", "smalltalk", "messages")
+SEED = 0
+CALIB_EVERY = 10  # every 10th composed instruction calibrates
+NGRAM = 4  # shared word n-grams that make a composed instruction too close to an evaluation prompt
+
+# kind -> (templates with one {x}, subjects)
+TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "advice": (
+        ("What are your best tips for {x}?", "I'm struggling with {x}. Any advice?", "How can I get better at {x}?",
+         "Give me some practical advice about {x}.", "What mistakes should I avoid when {x}?",
+         "Any suggestions for {x} on a tight schedule?", "My friend asked me about {x}. What should I tell her?"),
+        ("learning a new language", "keeping a tidy apartment", "sleeping better", "talking to my boss about a raise",
+         "studying for exams", "cooking for one person", "staying motivated at the gym", "planning a road trip",
+         "dealing with a noisy neighbor", "reading more books", "drinking more water", "learning to play guitar",
+         "managing stress at work", "buying a used car", "taking care of a puppy", "speaking in public",
+         "choosing a laptop", "writing a cover letter", "getting organized", "eating less sugar",
+         "keeping in touch with old friends", "starting a side project", "traveling with kids", "working night shifts",
+         "learning to swim as an adult", "being more patient", "preparing for a first date", "moving house",
+         "caring for an elderly parent", "planning a wedding on a budget", "training for a 5k race", "quitting social media"),
+    ),
+    "explanation": (
+        ("Explain {x} in simple terms.", "What is {x}?", "Can you explain {x} to a beginner?",
+         "How does {x} work?", "Give me a short explanation of {x}.", "Why does {x} matter?",
+         "Describe {x} in a few sentences."),
+        ("photosynthesis", "compound interest", "the water cycle", "gravity", "a credit score", "the internet",
+         "democracy", "an earthquake", "a rainbow", "the stock market", "recycling", "electricity", "a solar eclipse",
+         "the greenhouse effect", "machine learning", "a blockchain", "the immune system", "tides", "a mortgage",
+         "evolution", "time zones", "a thunderstorm", "the placebo effect", "supply and demand", "a microwave oven",
+         "jet lag", "a password manager", "the seasons", "a volcano", "antibiotics", "a cloud server", "taxes"),
+    ),
+    "creative": (
+        ("Write a short poem about {x}.", "Write a haiku about {x}.", "Tell me a short story about {x}.",
+         "Write a limerick about {x}.", "Write a few lines of song lyrics about {x}.",
+         "Describe {x} in a vivid paragraph.", "Write a tiny fairy tale about {x}."),
+        ("the ocean at night", "a lost umbrella", "autumn leaves", "a robot learning to paint", "a city in the rain",
+         "a grandmother's kitchen", "the last day of summer", "a dog waiting at the door", "a mountain sunrise",
+         "an old train station", "a lonely astronaut", "a garden in spring", "a clumsy knight", "the full moon",
+         "a secret library", "a snowman who wants to travel", "a busy bakery", "a paper boat", "friendship",
+         "a thunderstorm over the fields", "a talking parrot", "a forgotten toy", "a firefly", "homesickness",
+         "the first day of school", "a pirate who is afraid of water", "a quiet forest", "a broken clock"),
+    ),
+    "howto": (
+        ("How do I {x}?", "What are the steps to {x}?", "Explain how to {x}.", "Give me a simple guide to {x}.",
+         "What's the easiest way to {x}?", "Walk me through how to {x}."),
+        ("make pancakes", "bake banana bread", "write a resume", "plant tomatoes", "hang a picture frame",
+         "unclog a drain", "make cold brew coffee", "start journaling", "meditate for ten minutes",
+         "wash a wool sweater", "fold a fitted sheet", "make a paper airplane", "change a car's oil",
+         "cook rice on the stove", "create a strong password", "learn to juggle", "make a smoothie",
+         "paint a room", "back up my phone", "make a weekly meal plan", "sharpen a kitchen knife",
+         "write a thank-you card", "prepare for a job fair", "clean a laptop keyboard", "grow herbs indoors",
+         "make homemade pizza dough", "set up a fish tank", "organize a closet", "take better photos with my phone",
+         "brew green tea properly"),
+    ),
+    "rewriting": (
+        ("Rewrite this to sound more polite: {x}", "Make this more formal: {x}", "Fix the grammar: {x}",
+         "Rewrite this in simple words: {x}", "Make this sound friendlier: {x}", "Shorten this sentence: {x}",
+         "Paraphrase this: {x}"),
+        ("Give me the file by tonight.", "i dont know where the keys is", "We regret to inform you that your application was unsuccessful.",
+         "The train was late so I missed the beginning of the movie.", "you forgot to call me back again",
+         "Please be advised that the office will be closed on Monday.", "He don't like vegetables very much.",
+         "The product launch has been delayed due to unforeseen circumstances.", "Stop making so much noise.",
+         "I am writing to complain about the service I received.", "We need more people to help with the event.",
+         "Their going to the park after lunch.", "The results of the survey were not what we expected.",
+         "Can you fix my computer, it is broken.", "Our team finished the project two days early.",
+         "The weather is bad so the picnic is off.", "I has finished my homework already.",
+         "Customers must present a receipt for all returns.", "This is the worst coffee I have ever had.",
+         "Let me know if you have any questions.", "The meeting went on for too long and nothing was decided."),
+    ),
+    "lists": (
+        ("List five {x}.", "Give me a list of {x}.", "Name some {x}.", "What are some {x}?",
+         "Suggest ten {x}.", "Make a short list of {x}."),
+        ("ideas for a birthday gift", "easy dinner recipes", "hobbies to try this year", "famous painters",
+         "ways to relax after work", "places to visit in Europe", "tips for a long flight", "fruits high in vitamin C",
+         "movies for a family evening", "outdoor activities for kids", "things to bring to a picnic",
+         "podcast topics", "names for a golden retriever", "habits of successful students", "ways to be more productive",
+         "questions to ask a new friend", "cheap date ideas", "things to do in winter", "ways to save electricity",
+         "vegetables that grow fast", "icebreaker games for a team", "skills worth learning", "kinds of exercise you can do at home",
+         "songs for a road trip", "breakfast ideas without eggs", "ways to celebrate a friend's success"),
+    ),
+    "smalltalk": (
+        ("{x}",),
+        ("Hello there!", "Hey, what's up?", "How was your day?", "I just got a new puppy!", "It's raining again here.",
+         "Do you like music?", "What's your favorite food?", "I passed my driving test today!", "Can you tell me a riddle?",
+         "Tell me something that will make me smile.", "What do you think about cats?", "I can't sleep.",
+         "Tell me a fun fact about space.", "Do you prefer the beach or the mountains?", "I'm learning to cook!",
+         "What's a good movie to watch tonight?", "Thanks for your help earlier!", "Tell me a joke.",
+         "I'm feeling a bit down today.", "Happy Friday!", "What should I have for lunch?", "Tell me a fun fact about bees.",
+         "Is it better to have a cat or a dog?", "I just finished reading a great book.", "Say something nice.",
+         "What's the best thing about summer?", "Good night!", "Tell me about your favorite animal."),
+    ),
+    "messages": (
+        ("Write a short message to {x}.", "Write an email to {x}.", "Help me write a note to {x}.",
+         "Draft a quick text to {x}.", "Write a polite message to {x}."),
+        ("thank my teacher at the end of the year", "my team about a new project deadline", "a client apologizing for a late delivery",
+         "my friend wishing her luck on her exam", "my manager asking for a day off", "a neighbor about a party next weekend",
+         "my sister congratulating her on the new baby", "a shop asking about a refund", "my coach saying I will miss practice",
+         "a new coworker welcoming him to the team", "my doctor's office to reschedule an appointment",
+         "a friend I haven't talked to in years", "my parents telling them I got the job", "a hotel asking for a late check-out",
+         "the school about my son's absence", "a volunteer group thanking them for their help", "a seller asking if the bike is still available",
+         "my roommate about cleaning the kitchen", "a colleague asking for feedback on my draft", "guests confirming the dinner time"),
+    ),
+}
+
+
+def _norm(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def _ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    w = _norm(text)
+    return {tuple(w[i : i + n]) for i in range(max(1, len(w) - n + 1))}
+
+
+def overlaps(text: str, others: set[tuple[str, ...]]) -> bool:
+    """Whether `text` shares a word n-gram with `others` (the n-grams of the evaluation prompts)."""
+    return bool(_ngrams(text) & others)
+
+
+@functools.lru_cache(maxsize=1)
+def eval_rows() -> tuple[dict, ...]:
+    """The evaluation set: {"prompt", "task": "chat", "kind"} per line, in file order."""
+    from entmtp.data.prompts import DataError
+
+    if not EVAL_FILE.is_file():
+        raise DataError(f"everyday evaluation set not found: {EVAL_FILE}")
+    rows = []
+    for lineno, line in enumerate(EVAL_FILE.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                rows.append({"prompt": str(row["prompt"]), "task": "chat", "kind": str(row["kind"])})
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{EVAL_FILE}: line {lineno}: bad record ({e})") from None
+    return tuple(rows)
+
+
+def eval_ngrams() -> set[tuple[str, ...]]:
+    return set().union(*(_ngrams(r["prompt"]) for r in eval_rows()))
+
+
+@functools.lru_cache(maxsize=1)
+def composed() -> tuple[tuple[str, str], ...]:
+    """(kind, instruction) for every template and subject, seeded order, evaluation overlaps dropped."""
+    rows = [(kind, t.format(x=x)) for kind, (templates, subjects) in TEMPLATES.items() for t in templates for x in subjects]
+    random.Random(SEED).shuffle(rows)
+    banned = eval_ngrams()
+    return tuple(r for r in rows if not overlaps(r[1], banned))
+
+
+def prompts(split: str) -> list[str]:
+    """Composed instructions of `split` ("train" or "calib"; evaluation prompts are `eval_rows`)."""
+    if split == "eval":
+        return [r["prompt"] for r in eval_rows()]
+    want_calib = split == "calib"
+    return [p for i, (_, p) in enumerate(composed()) if (i % CALIB_EVERY == CALIB_EVERY - 1) == want_calib]

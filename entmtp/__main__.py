@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=positive_int, default=g.max_new_tokens)
     ev.add_argument("--tasks", default=",".join(EVAL_SETS), help="comma-separated evaluation sets (default: %(default)s)")
     ev.add_argument("--work", default=None, help="where the held-out corpus is cached (default: as train-heads)")
+    ev.add_argument("--record", action="store_true",
+                    help="write the accepted lengths into each evaluated heads folder's heads.json (docs/heads.md shows them)")
     add_model_args(ev)
 
     b = BankBuildConfig()
@@ -350,7 +352,8 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
-    from entmtp.tools.evalheads import evaluate
+    from entmtp.tools.evalheads import evaluate, record_in
+    from entmtp.runtime.runtime import default_heads_dir
     from entmtp.runtime.weights import cache_root
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -361,8 +364,19 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     per_task = {t: args.prompts_per_task or counts[t] for t in tasks if args.prompts_per_task or t in counts}
     if not per_task:
         raise UsageError(f"--prompts names none of the tasks {', '.join(tasks)}")
-    report = evaluate(_runtime(args), _kinds(args.kind), per_task, args.max_new_tokens, _work_dir(args),
-                      cache_root(model_config(args)), progress=_progress)
+    rt = _runtime(args)
+    kinds = _kinds(args.kind)
+    folders = {"hydra": args.heads, "medusa": args.medusa_heads}
+    folders = {k: Path(folders[k]) if folders[k] else default_heads_dir(args.model, k) for k in kinds}
+    if args.record:
+        missing = [str(f / "heads.json") for f in folders.values() if not (f / "heads.json").is_file()]
+        if missing:
+            raise UsageError(f"--record writes into heads in our format: {', '.join(missing)} not found")
+    report = evaluate(rt, kinds, per_task, args.max_new_tokens, _work_dir(args), cache_root(model_config(args)),
+                      progress=_progress)
+    if args.record:
+        for kind, folder in folders.items():
+            print(f"recorded in {record_in(folder, kind, report, rt.arithmetic or 'float32')}", file=sys.stderr)
     print(json.dumps(report))
 
 

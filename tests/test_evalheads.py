@@ -68,3 +68,33 @@ def test_bank_traces_reuse_stored_continuations(tmp_path, monkeypatch):
     monkeypatch.setattr(rec, "greedy_continuation", lambda *a: pytest.fail("decoded although the continuation was stored"))
     again = rec.record_all(engine, heads, prompts, 30, 4, answers=AnswerStore(tmp_path / "a.jsonl.gz", "tiny"))
     assert [t.to_json() for t in again] == [t.to_json() for t in first]
+
+
+def test_record_writes_the_figures_into_heads_json_and_docs_show_them(tmp_path):
+    """`eval-heads --record`: the accepted lengths land in heads.json (weights untouched) and
+    docs/heads.md's block renders them per evaluation set and tree."""
+    import json
+
+    from entmtp.spec.headfiles import save_heads
+    from entmtp.tools.evalheads import record_in
+    from entmtp.tools.report import heads_block
+
+    model = tiny_llama(seed=5, vocab=12)
+    folder = save_heads(random_heads(model, "hydra"), tmp_path / "hydra", {
+        "command": "train", "date": "today", "heldout": {"split": "calib", "per_head": [{"top1": 0.5, "top5": 0.8, "n": 9}]}})
+    weights = (folder / "heads.safetensors").read_bytes()
+    row = lambda m: {"prompts": 3, "tokens": 30, "steps": 12, "mean_accepted": m, "ci95": [m - 0.1, m + 0.1]}  # noqa: E731
+    report = {"method": "exact trace simulation at temperature 0", "max_new_tokens": 40, "tree": BASELINE_TREE,
+              "trees": SMALL_TREES, "accepted": {"hydra": {"chat": row(2.5), "everyday": row(2.75)}},
+              "small_trees": {"hydra": {"2-node": {"chat": row(1.5), "everyday": row(1.6)},
+                                        "4-node": {"chat": row(2.0), "everyday": row(2.1)}}},
+              "heldout": {"hydra": []}}
+    record_in(folder, "hydra", report, "+q8h/64")
+    assert (folder / "heads.safetensors").read_bytes() == weights
+    ev = json.loads((folder / "heads.json").read_text())["provenance"]["evaluation"]
+    assert ev["accepted"]["everyday"]["mean_accepted"] == 2.75 and ev["served"] == "+q8h/64"
+    block = heads_block([folder / "heads.json"], tmp_path)
+    assert "| everyday | 3 | 2.75 [2.65, 2.85] | 1.60 [1.50, 1.70] | 2.10 [2.00, 2.20] |" in block
+    assert "| chat | 3 | 2.50 [2.40, 2.60] | 1.50 [1.40, 1.60] | 2.00 [1.90, 2.10] |" in block
+    with pytest.raises(ValueError, match="not medusa"):
+        record_in(folder, "medusa", report, "")

@@ -125,3 +125,27 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
                 log(f"  {kind} ({tree}) on {name} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
                     f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
     return report
+
+
+def record_in(folder: Path, kind: str, report: dict[str, Any], served: str) -> Path:
+    """Write `kind`'s accepted lengths from `report` into `folder/heads.json`'s provenance
+    ("evaluation"), where docs/heads.md reads them; the weights file is not touched."""
+    import json
+    import time
+
+    from entmtp.spec.headfiles import CONFIG_FILE
+
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --record writes into heads in our format")
+    meta = json.loads(path.read_text())
+    if meta.get("kind") != kind:
+        raise ValueError(f"{path} holds {meta.get('kind')} heads, not {kind}")
+    meta.setdefault("provenance", {})["evaluation"] = {
+        "date": time.strftime("%Y-%m-%d"), "served": served, "method": report["method"],
+        "max_new_tokens": report["max_new_tokens"], "tree": report["tree"], "trees": report["trees"],
+        "accepted": report["accepted"][kind], "small_trees": report["small_trees"][kind],
+        "heldout": report["heldout"][kind],
+    }
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+    return path

@@ -601,6 +601,23 @@ def targets_markdown() -> str:
             f"- drafting plus scheduling under {100 * MAX_DRAFT_SHARE:.0f}% of a step.\n")
 
 
+def evaluation_lines(kind: str, ev: dict | None) -> list[str]:
+    """The accepted lengths `eval-heads --record` wrote into heads.json, per evaluation set and tree."""
+    if not ev:
+        return []
+    trees = [ev["tree"], *ev["trees"]]
+    cell = lambda r: f"{r['mean_accepted']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]" if r else DASH  # noqa: E731
+    lines = [f"Accepted tokens per step of `{kind}` on the evaluation sets (`eval-heads --record`, {ev['date']}; "
+             f"{ev['method']}, up to {ev['max_new_tokens']} new tokens, served arithmetic {ev['served']}; "
+             "95% bootstrap intervals over prompts; everyday: chat's everyday requests, `data/everyday/`):", "",
+             "| set | prompts | " + " | ".join(f"`{t}`" if t == ev["tree"] else f"{t} tree" for t in trees) + " |",
+             "|---|---|" + "---|" * len(trees)]
+    for name, row in ev["accepted"].items():
+        small = [ev["small_trees"].get(t, {}).get(name) for t in ev["trees"]]
+        lines.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
+    return lines + [""]
+
+
 def heads_block(files: list[Path], root: Path = ROOT) -> str:
     """docs/heads.md: the shipped heads as their heads.json records them (corpus, draft vocabulary,
     training, held-out and training-sample accuracy per head)."""
@@ -628,6 +645,7 @@ def heads_block(files: list[Path], root: Path = ROOT) -> str:
             lines.append(f"| {i} | {r['top1']:.3f} | {r['top5']:.3f} | {_num(s.get('top1'), '.3f')} | {_num(s.get('top5'), '.3f')} |")
         lines += ["", f"Held out: {p['heldout']['split']}, {held[0]['n']:,} positions on head 0; training sample: "
                       f"{p.get('train_sample', {}).get('answers', DASH)} training answers.", ""]
+        lines += evaluation_lines(h["kind"], p.get("evaluation"))
     corpora = [(h["kind"], h["provenance"].get("corpus", {}).get("train", {})) for _, h in heads]
     sources = list(dict.fromkeys(s for _, c in corpora for s in c))
     lines += ["Training corpus (answers / tokens):", "",

@@ -102,11 +102,12 @@ def make_race(service: Service):
             head = next(steps)
             if gpu.zero_gpu():
                 gpu.remember(head["fingerprint"])
-            ent, base = Side(head["names"][0]), Side(head["names"][1])
+            ent, base = (Side(name, forecast=f) for name, f in zip(head["names"], head["forecasts"]))
             pol = head["policy"]
             shipped = "" if head["fitted"] else ("  \n<small>⚠️ with the bank's shipped fit: this machine's fit is "
                                                  "being measured in the background (Bank tab)</small>")
-            last_chart, final = 0.0, (gr.skip(),) * 14
+            # before the first step: each side's prediction for this prompt
+            last_chart, final = 0.0, (gr.skip(),) * 4 + (ent.stats(base) + shipped, base.stats()) + (gr.skip(),) * 8
             yield final + (plots.counterfactual_figure(None), [])
             for update in steps:
                 if "counterfactual" in update:  # after the last step: the final outputs again, with it

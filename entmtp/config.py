@@ -98,6 +98,7 @@ class CalibrateConfig:
     """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
 
     context: int = 192  # tokens of context a step is timed at (a prompt plus part of its answer)
+    short_context: int = 32  # and a second context for the plain step and the largest tree: cost against context
     rounds: int = 3  # timed rounds; within one the trees take turns in short blocks, so drift hits all alike
     steps: int = 8  # decode steps timed per tree per round (three repeats on the AMD EPYC agreed within ~4%)
     block: int = 4  # timed steps of a tree in a row; one untimed step goes first (after another tree)

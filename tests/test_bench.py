@@ -45,6 +45,8 @@ def test_run_bench_all_methods(tiny_dir, tmp_path):
     pred = {(r["task"], r["method"]): r["predicted_tokens_per_s"] for r in res}
     assert all(pred[(t, m)] > 0 for t in ("code", "chat") for m in ("entmtp-static", "entmtp-ladder", "entmtp-tau", "ar"))
     assert pred[("code", "hf")] is None and pred[("code", "medusa")] is None
+    # the made-up shipped fit never timed cost against context: its own figure, named as such
+    assert {r["predicted_for"] for r in res if r["method"] in ("ar", "entmtp-tau")} == {"the fit's calibration prompts"}
     assert all(r["speedup_vs_ar"] == 1.0 for r in res if r["method"] == "ar")
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in res)
     # methods were interleaved: each prompt ran every method, starting from a rotating position
@@ -72,8 +74,13 @@ def test_bench_cli_ends_with_one_json_line(tiny_dir, tmp_path, capsys):
     assert summary["hardware"] and summary["fit"]["chat"] != "cpu elsewhere" and "cpu" in summary["fit"]["chat"]
     pred = {r["method"]: r["predicted_tokens_per_s"] for r in summary["results"]}
     assert pred["entmtp-tau"] > 0 and pred["hydra"] > 0 and pred["hf"] is None
-    assert summary["ceiling"]["chat"]["tokens_per_s"] >= pred["entmtp-tau"] - 1e-6  # the fit's ceiling, recorded
+    ceiling = summary["ceiling"]["chat"]  # the fit's ceiling on its traces, recorded
+    assert ceiling["tokens_per_s"] > 0 and ceiling["over_ar"] >= 1 - 1e-6
     assert (tmp_path / "out" / "results.json").exists() and (tmp_path / "out" / "speedup.html").exists()
+    # a fit made here times cost against context: predicted for these prompts' lengths and tokens (bank.predict)
+    full = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {r["predicted_for"] for r in full["detail"] if r["method"] != "hf"} == {"these prompts"}
+    assert all(r["predicted_seconds"] > 0 for r in full["per_prompt"] if r["method"] in ("ar", "entmtp-tau"))
 
 
 def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):

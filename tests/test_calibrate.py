@@ -224,14 +224,21 @@ def test_fits_are_cached_per_machine(setup, tmp_path, monkeypatch):
     bank = tiny_bank(setup, tmp_path, fp_a)
     calib = CalibrateConfig(context=16, rounds=1, steps=2)
     timed = []
-    real = cal.measure_costs
-    monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: timed.append(1) or real(*a, **k))
+    real = cal.time_and_fit
+    monkeypatch.setattr(cal, "time_and_fit", lambda *a, **k: timed.append(1) or real(*a, **k))
     # on the machine that built it, the shipped fit is this machine's: nothing is timed
     got = cal.resolve_fits(engine, heads, {"chat": bank}, fp_a, tmp_path / "cache", "auto", calib)
     assert got["chat"].fit is bank.shipped_fit and not timed
     # elsewhere: timed once, cached, then read back
     got = cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "auto", calib)
     assert len(timed) == 1 and got["chat"].fit["fingerprint"] == fp_b
+    # and cost against context, for predictions at the prompt at hand: two contexts, the smallest
+    # and largest trees, the prefill at either length
+    cc = got["chat"].fit["context_cost"]
+    assert cc["contexts"][0] < cc["contexts"][1] == got["chat"].fit["context"] <= 16
+    assert cc["nodes"] == [min(t.n_nodes for t in bank.trees), max(t.n_nodes for t in bank.trees)]
+    assert all(s >= 0 for s in cc["slope_ms_per_token"]) and [p[0] for p in cc["prefill"]] == cc["contexts"]
+    assert all(p[1] > 0 for p in cc["prefill"])
     assert cal.fit_cache_file(tmp_path / "cache", bank, fp_b).exists()
     again = cal.resolve_fits(engine, heads, {"chat": bank}, fp_b, tmp_path / "cache", "auto", calib)
     assert len(timed) == 1 and again["chat"].fit == got["chat"].fit

@@ -9,15 +9,19 @@ from dataclasses import replace
 
 import pytest
 
-from entmtp.config import DEFAULT_MODEL, EVAL_SETS, TASKS, BankBuildConfig, TrainConfig
+from entmtp.config import DEFAULT_MODEL, EVAL_SETS, ROOT, TASKS, BankBuildConfig, TrainConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
 from entmtp.data.answers import ANSWERS_DIR, AnswerStore
+from entmtp.bank.build import calibration_prompts
 from entmtp.tools.train import corpus_plan
 
 
+UNSEEN = ROOT / "benchmarks" / "prompts" / "unseen-short.jsonl"  # bench's prompts for the predictions at hand
+
+
 def _evaluation() -> set[str]:
-    return {r["prompt"] for name in EVAL_SETS for r in data.eval_set(name)}
+    return {r["prompt"] for name in EVAL_SETS for r in data.eval_set(name)} | {r["prompt"] for r in data.read_prompt_file(UNSEEN)}
 
 
 def test_everyday_set_spans_the_kinds_and_keeps_its_licence():
@@ -61,8 +65,11 @@ def test_no_training_or_calibration_source_holds_an_evaluation_prompt(split):
         else:
             texts = data.prompts(task, split) + [p for p, _ in data.pairs(task, split)]
         assert texts and not set(texts) & evaluation, (task, source)
-    for task in TASKS:  # what build-bank traces
-        assert not set(data.prompts(task, "calib", BankBuildConfig().calib_prompts)) & evaluation
+    for task in TASKS:  # what build-bank traces (chat: ShareGPT's calib split and composed everyday requests)
+        texts, _ = calibration_prompts(task, None, BankBuildConfig().calib_prompts)
+        assert len(texts) == BankBuildConfig().calib_prompts and not set(texts) & evaluation
+        if task == "chat":
+            assert set(texts) & set(everyday.prompts("calib")) and set(texts) & set(data.prompts("chat", "calib"))
 
 
 def test_stored_answers_hold_no_evaluation_prompt():

@@ -18,6 +18,7 @@ from entmtp.app import gpu
 from entmtp.figures import plots
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import ceiling_text, through_heads
+from entmtp.bank.predict import predict
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import StepRecord, Strategy
 from entmtp.runtime.weights import LoadError
@@ -265,6 +266,7 @@ class Side:
     spans: list[tuple[str, str | None]] = field(default_factory=list)  # (text, "accepted draft" or None)
     done: bool = False
     cut: str = ""  # why the race ended this side early, if it did
+    forecast: dict[str, Any] | None = None  # what `forecast` returns: the prediction for this prompt
     _sent: tuple[int, int, int] = (0, 0, 0)  # records, ids and spans already in a delta
 
     def advance(self, rt: Runtime) -> None:
@@ -311,17 +313,40 @@ class Side:
     def tokens_per_s(self) -> float:
         return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
 
+    def predicted(self) -> float | None:
+        """Tokens/s predicted for this prompt: at its budget while racing, at the tokens emitted once done."""
+        f = self.forecast
+        if not f:
+            return None
+        return predict(f["fit"], f["method"], f["prompt_tokens"], len(self.ids) if self.done and self.ids else f["budget"])
+
     def stats(self, other: "Side | None" = None) -> str:
         head = f"#### {self.name}\n"
+        pred = self.predicted()
+        f = self.forecast or {}
+        said = (f"predicted here for this prompt ({f['prompt_tokens']} tokens, "
+                + (f"{len(self.ids)} new" if self.done and self.ids else f"up to {f['budget']} new") + f"): {pred:.1f} tokens/s"
+                ) if pred else ""
         if not self.records:
-            return head + "*prefill…*"
+            return head + "*prefill…*" + (f"  \n<small>{said}</small>" if said else "")
         steps = len(self.records)
         line = f"**{self.tokens_per_s:.1f} tokens/s** · **{len(self.ids) / steps:.2f} tokens/step**"
         if other is not None and other.tokens_per_s > 0:
             line += f" · **{self.tokens_per_s / other.tokens_per_s:.2f}×** baseline"
         detail = (f"{len(self.ids)} tokens in {steps} steps, {self.seconds:.2f} s "
                   f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.cut or self.records[-1].stop_reason}" if self.done else ""))
-        return f"{head}{line}  \n<small>{detail}</small>"
+        return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + "</small>"
+
+
+def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int) -> dict[str, Any] | None:
+    """What a side needs to predict its tokens/s for this prompt (`bank.predict`), as plain data;
+    None where the bank's fit cannot (a fit made before it timed cost against context, or a method
+    it does not fit: Medusa)."""
+    fit = bank.fit or {}
+    if not fit.get("context_cost") or method not in (fit.get("per_method") or {}):
+        return None
+    return {"fit": {k: fit[k] for k in ("context", "context_cost", "per_method")}, "method": method,
+            "prompt_tokens": prompt_tokens, "budget": budget}
 
 
 def badge(ent: Side, base: Side, temperature: float) -> str:
@@ -357,8 +382,10 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
         raise RaceError(f"The prompt has {len(ids)} tokens; the demo takes up to {MAX_PROMPT_TOKENS} and prompt + "
                         f"max_new_tokens must fit the model's {rt.engine.max_positions}.", "Prompt too long")
     gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
-    ent = Side(label, rt.engine.generate(ids, ent_s, gen))
-    base = Side(BASELINES[req.baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen))
+    ent = Side(label, rt.engine.generate(ids, ent_s, gen),
+               forecast=None if req.tau else forecast(bank, f"entmtp-{req.policy}", len(ids), req.max_new_tokens))
+    base = Side(BASELINES[req.baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen),
+                forecast=forecast(bank, req.baseline, len(ids), req.max_new_tokens))
     return ent, base, policy
 
 

@@ -253,7 +253,7 @@ def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") 
 
 @gpu.on_gpu(duration=lambda key, req, model=None: race_seconds(req))
 def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dict[str, Any]]:
-    """A race on the device: first {"fingerprint", "names", "fitted", "note", "policy"}, then
+    """A race on the device: first {"fingerprint", "names", "forecasts", "fitted", "note", "policy"}, then
     {"sides": (EntMTP's delta, the baseline's delta)} at most YIELDS_PER_S a second, the last one
     when both sides are done, then at temperature 0 {"counterfactual": what every bank tree would
     have done on this output}. Never a tensor, never a model object. On ZeroGPU the race ends
@@ -264,7 +264,7 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
         bank, fitted = race_bank(rt, req.task)
         ent, base, pol = start(rt, req, bank, svc.models.runtime_lock(model))
     tau = (pol.tau_on, pol.tau_off) if isinstance(pol, TauPolicy) and pol.small != pol.large else None
-    yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "fitted": fitted,
+    yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "forecasts": (ent.forecast, base.forecast), "fitted": fitted,
            "note": bank_note(rt, req.task, bank), "policy": {"tau": tau, "feature": pol.feature, "depth": pol.depth or bank.max_depth}}
     deadline = time.monotonic() + race_seconds(req) - DEADLINE_MARGIN_S if gpu.zero_gpu() else None
     last = 0.0

@@ -145,6 +145,13 @@ def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[li
     if prompts_file:
         texts = [it["prompt"] for it in read_prompt_file(prompts_file, default_task=task)][:n]
         return texts, f"{prompts_file} (first {len(texts)} prompts)"
+    if task == "chat":  # visitors type short everyday requests as well as ShareGPT's kind: half of each, alternating
+        from entmtp.data import everyday
+
+        share, own = prompts(task, "calib", n - n // 2), everyday.prompts("calib")[: n // 2]
+        texts = [p for pair in zip(share, own) for p in pair] + share[len(own):]
+        return texts, (f"chat calib split, first {len(share)} prompts, alternating with the first {len(own)} composed "
+                       "everyday calib requests (entmtp/data/prompts.py, entmtp/data/everyday.py)")
     texts = prompts(task, "calib", n)
     return texts, f"{task} calib split, first {len(texts)} prompts (entmtp/data/prompts.py)"
 

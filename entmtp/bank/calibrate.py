@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -36,8 +36,9 @@ Turn = Callable[[], ContextManager]  # entered around each block of timed work: 
 
 
 def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
-                  progress: Progress | None = None, turn: Turn = nullcontext) -> tuple[dict[str, float], float]:
-    """Median ms of one decode step with each tree (keyed by `tree_key`), and prefill ms per token.
+                  progress: Progress | None = None, turn: Turn = nullcontext) -> tuple[dict[str, float], float, int]:
+    """Median ms of one decode step with each tree (keyed by `tree_key`), prefill ms per token,
+    and the context they were timed at (`cfg.context`, less where the model's positions run short).
 
     Real decode steps (schedule, draft, verify, accept, commit) after a `cfg.context`-token
     prompt. Within a round the trees take turns in blocks (`RoundRobin`): one untimed step, then
@@ -84,7 +85,24 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     if missing:
         raise ValueError(f"no room to time {len(missing)} tree(s) in the model's context of {engine.max_positions}")
     costs = {k: statistics.median(v) for k, v in step_ms.items()}
-    return costs, statistics.median(prefill) / context
+    return costs, statistics.median(prefill) / context, context
+
+
+def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
+                         turn: Turn = nullcontext) -> dict[str, Any]:
+    """How a step's cost grows with its context (`bank.predict`): the plain step and the largest
+    tree timed together at `cfg.context` and at `cfg.short_context`; per tree size, ms per extra
+    context token (never below 0), and the prefill of either context's prompt."""
+    small, big = min(trees, key=lambda t: t.n_nodes), max(trees, key=lambda t: t.n_nodes)
+    pair = [small, big] if tree_key(small) != tree_key(big) else [small]
+    long_ms, long_prefill, long_ctx = measure_costs(engine, heads, pair, cfg, None, turn)
+    short_ms, short_prefill, short_ctx = measure_costs(engine, heads, pair, replace(cfg, context=min(cfg.short_context, long_ctx - 1)),
+                                                       None, turn)
+    span = max(1, long_ctx - short_ctx)
+    slopes = [max(0.0, (long_ms[tree_key(t)] - short_ms[tree_key(t)]) / span) for t in (small, big)]
+    return {"contexts": [short_ctx, long_ctx], "nodes": [small.n_nodes, big.n_nodes],
+            "slope_ms_per_token": [round(x, 5) for x in slopes],
+            "prefill": [[short_ctx, round(short_prefill * short_ctx, 3)], [long_ctx, round(long_prefill * long_ctx, 3)]]}
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,8 @@ def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
     """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
     t0 = time.perf_counter()
     trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
-    costs, prefill = measure_costs(engine, heads, trees, cfg, progress, turn)
+    costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn)
+    context_cost = measure_context_cost(engine, heads, trees, cfg, turn)
     with turn():
         chain = measure_chain(heads, max(t.max_depth for t in trees))
     measured_s = time.perf_counter() - t0
@@ -163,8 +182,9 @@ def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
             "fingerprint": fp,
             "date": datetime.date.today().isoformat(),
             "seconds": round(measured_s * len(bank.trees) / max(1, len(trees)) + fit_s, 2),
-            "context": cfg.context,
+            "context": context,
             **fit,
+            "context_cost": context_cost,
         }
     return out
 

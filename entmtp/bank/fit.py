@@ -119,11 +119,16 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         used = sorted(set(outcomes[name].picks))
         if len(used) == 1:
             degenerate[name] = f"settles on one tree ({trees[used[0]].name}) on the traces: it never switches"
-    predicted = {"ar": round(static_runs[0].tokens_per_s, 3) if trees[0].n_nodes == 1 else None}
+    by_method = {"ar": static_runs[0]} if trees[0].n_nodes == 1 else {}
     if baseline:
-        predicted["hydra"] = round(run(StaticPolicy(len(trees))).tokens_per_s, 3)
-    for name, o in outcomes.items():
-        predicted[f"entmtp-{name}"] = round(o.tokens_per_s, 3)
+        by_method["hydra"] = run(StaticPolicy(len(trees)))
+    by_method.update({f"entmtp-{name}": o for name, o in outcomes.items()})
+    predicted = {m: round(o.tokens_per_s, 3) for m, o in by_method.items()}
+    prefill_total = prefill_ms_per_token * sum(t.prompt_tokens for t in traces)
+    per_method = {m: {"mean_accepted": round(o.mean_accepted, 4),  # what the prompt at hand's prediction reads (bank.predict)
+                      "step_ms": round((o.ms - prefill_total) / max(1, o.steps), 4),
+                      "nodes": round(sum(all_trees[k].n_nodes for k in o.picks) / max(1, len(o.picks)), 3)}
+                  for m, o in by_method.items()}
     fit = {
         "trees": per_tree,
         "front": [trees[i].name for i in front],
@@ -132,7 +137,8 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         "features": by_feature,
         "policies": policies_json(policies, trees),
         "degenerate": degenerate,
-        "predicted_tokens_per_s": {k: v for k, v in predicted.items() if v is not None},
+        "predicted_tokens_per_s": predicted,
+        "per_method": per_method,
         "predicted_mean_accepted": {f"entmtp-{k}": round(o.mean_accepted, 4) for k, o in outcomes.items()},
         "prefill_ms_per_token": round(prefill_ms_per_token, 4),
         "chain_ms": [round(c, 3) for c in (chain_ms or [])],

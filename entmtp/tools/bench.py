@@ -4,7 +4,9 @@ Per prompt the methods run one after another in a rotating order, so drift of th
 all alike; a warm-up pass (excluded) builds kernels and caches first. Figures per task and
 method: tokens/s (new tokens over wall time, prefill included), mean accepted tokens per step,
 speedup over `ar` measured in the same run, the share of each decode phase, and, for the methods
-a bank fit predicts (ar, hydra, entmtp-*), the tokens/s that fit predicted on this machine.
+a bank fit predicts (ar, hydra, entmtp-*), the tokens/s that fit predicts on this machine for
+these prompts: each run's prompt length and new tokens (`bank.predict`), or, for a fit made
+before it timed cost against context, the fit's own figure for its calibration prompts.
 `lossless` (token ids equal to transformers `generate`'s on the model as served, at temperature 0)
 is reported when `hf` is in the run: `hf` itself is that oracle where the served arithmetic is
 float32; where it is not (`--kernels q8`), an untimed `generate` on the served model is, and the
@@ -20,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from entmtp.bank.predict import NoPrediction, predict
 from entmtp.config import BenchConfig, GenerationConfig, Progress
 from entmtp.spec.engine import PHASES, collect
 
@@ -75,6 +78,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
                     "prompt": i,
                     "task": task,
                     "method": m,
+                    "prompt_tokens": len(ids),
                     "tokens": res.new_tokens,
                     "steps": len(res.steps),
                     "seconds": res.elapsed_s,
@@ -86,10 +90,15 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
     if "hf" in methods and rt.served_differs():  # the oracle: generate on the model as served, untimed
         for i, (task, ids) in enumerate(encoded):
             rows.append({"prompt": i, "task": task, "method": "oracle", "token_ids": collect(rt.run("oracle", task, ids, gen)).token_ids})
-    predicted = {}
-    for task in {t for t, _ in encoded}:
-        if any(m.startswith("entmtp") for m in methods):
-            predicted[task] = rt.bank(task).fit.get("predicted_tokens_per_s", {})
+    fits = {task: rt.bank(task).fit for task in {t for t, _ in encoded}} if any(m.startswith("entmtp") for m in methods) else {}
+    for r in rows:  # the prediction for this prompt's length and this run's tokens (bank.predict)
+        fit = fits.get(r["task"])
+        if fit and r["method"] != "oracle" and r["tokens"]:
+            try:
+                r["predicted_seconds"] = r["tokens"] / predict(fit, r["method"], r["prompt_tokens"], r["tokens"])
+            except NoPrediction:
+                pass
+    predicted = {task: fit.get("predicted_tokens_per_s", {}) for task, fit in fits.items()}
     return {"results": aggregate(rows, methods, predicted), "per_prompt": rows}
 
 
@@ -117,7 +126,10 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
             ms_step = secs * 1e3 / max(1, steps)
             phase = {k: sum(r["phase_ms"][k] for r in rs) / max(1, steps) for k in PHASES}
             same = all(r["token_ids"] == ref[(task, r["prompt"])] for r in rs)
-            pred = (predicted or {}).get(task, {}).get(m)
+            # predicted for these prompts where every run has its own prediction, else the fit's own figure
+            at_hand = bool(rs) and all("predicted_seconds" in r for r in rs)
+            pred = (round(tokens / max(1e-9, sum(r["predicted_seconds"] for r in rs)), 3) if at_hand
+                    else (predicted or {}).get(task, {}).get(m))
             row = {
                 "task": task,
                 "method": m,
@@ -126,6 +138,7 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
                 "speedup_vs_ar": round(tps / ar_tps, 4) if ar_tps else None,
                 ("lossless" if oracle == "hf" else "same_as_ar"): same,
                 "predicted_tokens_per_s": pred,
+                "predicted_for": "these prompts" if at_hand else ("the fit's calibration prompts" if pred else None),
                 "measured_over_predicted": round(tps / pred, 4) if pred else None,
                 "prompts": len(rs),
                 "tokens": tokens,

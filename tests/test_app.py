@@ -92,6 +92,10 @@ def test_race_streams_and_matches_ar(served, ar_text):
     assert ent_text and base_text
     assert ent_text == base_text == ar_text
     assert "identical output" in out[6] and "Plain decoding" in out[6]
+    # each side's prediction for this prompt: before the first step (prefill) and after the last
+    assert all("predicted here for this prompt" in s for s in (out[4], out[5])), (out[4], out[5])
+    first = next(o for o in job.outputs() if isinstance(o[4], str))
+    assert "prefill…" in first[4] and "up to 24 new" in first[4]
     # the streamed panes grow: every update holds a prefix of the final text, and some are partial
     streamed = [o[0] for o in job.outputs() if isinstance(o[0], str)]
     assert all(ent_text.startswith(t) for t in streamed)

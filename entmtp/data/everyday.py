@@ -18,6 +18,7 @@ import random
 import re
 
 from entmtp.config import ROOT
+from entmtp.data.errors import DataError
 
 EVAL_FILE = ROOT / "data" / "everyday" / "eval.jsonl"
 KINDS = ("advice", "explanation", "creative", "howto", "rewriting", "lists", "smalltalk", "messages")
@@ -141,8 +142,6 @@ def overlaps(text: str, others: set[tuple[str, ...]]) -> bool:
 @functools.lru_cache(maxsize=1)
 def eval_rows() -> tuple[dict, ...]:
     """The evaluation set: {"prompt", "task": "chat", "kind"} per line, in file order."""
-    from entmtp.data.prompts import DataError
-
     if not EVAL_FILE.is_file():
         raise DataError(f"everyday evaluation set not found: {EVAL_FILE}")
     rows = []

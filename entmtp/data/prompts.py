@@ -44,6 +44,8 @@ import re
 from pathlib import Path
 
 from entmtp.config import EVAL_SETS, ROOT, TASKS
+from entmtp.data.errors import DataError
+from entmtp.data.everyday import eval_rows
 
 SPLITS = ("train", "calib", "eval")
 GSM8K_ENV = "ENTMTP_GSM8K_DIR"
@@ -59,10 +61,6 @@ SHAREGPT_CODE = re.compile(r"\bpython\b", re.IGNORECASE)  # chat prompts that as
 CODE_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 _SKIP = re.compile(r"[\s,]*")  # between array elements: whitespace and the separating commas
-
-
-class DataError(ValueError):
-    """A data file or prompt file is missing or malformed; the message names file, line, field."""
 
 
 # --- locating package data ----------------------------------------------------------------------
@@ -264,8 +262,6 @@ def eval_prompt_file(task: str, n: int | None = None) -> list[dict]:
 def eval_set(name: str, n: int | None = None) -> list[dict]:
     """An evaluation set as prompt-file records `{"prompt", "task"}` ("everyday" is a chat set)."""
     if name == "everyday":
-        from entmtp.data.everyday import eval_rows
-
         return [{"prompt": r["prompt"], "task": "chat"} for r in eval_rows()][:n]
     if name not in TASKS:
         raise DataError(f"unknown evaluation set {name!r} (expected one of {', '.join(EVAL_SETS)})")

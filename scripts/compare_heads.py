@@ -1,0 +1,83 @@
+"""Two sets of heads and banks on the same prompts, interleaved, on this machine: one JSON line.
+
+    python scripts/compare_heads.py --old /tmp/old [--new .] [--methods entmtp-tau,hydra] [--prompts-per-task 8]
+
+`--old` and `--new` are folders holding `assets/heads/<model>/{hydra,medusa}/` and `banks/`
+(a checkout, or `git archive <rev> assets/heads banks | tar -x -C DIR`). Each loads the model
+and runs through its banks' fit for this machine (calibrated first where the shipped fit is
+another machine's). Per prompt the two alternate, starting side swapped every prompt, after an
+untimed warm-up of each; a method's figure is its tokens over its wall time per task, and its
+token ids must equal `ar`'s (the greedy output). Figures hold for this machine only: it is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from entmtp.config import DEFAULT_MODEL, TASKS, GenerationConfig, ModelConfig  # noqa: E402
+from entmtp.data.prompts import eval_prompt_file  # noqa: E402
+from entmtp.machine import hardware  # noqa: E402
+from entmtp.runtime.runtime import load_runtime  # noqa: E402
+from entmtp.runtime.weights import model_slug  # noqa: E402
+from entmtp.spec.engine import collect  # noqa: E402
+
+
+def runtime(root: Path):
+    heads = root / "assets" / "heads" / model_slug(DEFAULT_MODEL)
+    return load_runtime(ModelConfig(), str(heads / "hydra"), str(heads / "medusa"), root / "banks", fit_mode="auto")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", required=True, type=Path)
+    ap.add_argument("--new", default=Path("."), type=Path)
+    ap.add_argument("--methods", default="entmtp-tau")
+    ap.add_argument("--prompts-per-task", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    sides = {"old": runtime(args.old), "new": runtime(args.new)}
+    gen, warm = GenerationConfig(max_new_tokens=args.max_new_tokens), GenerationConfig(max_new_tokens=16)
+    items = [(t, it["prompt"]) for t in TASKS for it in eval_prompt_file(t, args.prompts_per_task)]
+    ref = sides["new"]
+    for task in TASKS:  # untimed: kernels, caches and each tree size once
+        ids = ref.encode(items[[t for t, _ in items].index(task)][1])
+        for rt in sides.values():
+            for m in methods:
+                collect(rt.run(m, task, ids, warm))
+    totals: dict = {}
+    for i, (task, prompt) in enumerate(items):
+        ids = ref.encode(prompt)
+        greedy = collect(ref.run("ar", task, ids, gen)).token_ids
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+        for m in methods:
+            for name in order:
+                res = collect(sides[name].run(m, task, ids, gen))
+                assert list(res.token_ids) == list(greedy), f"{name} {m} differs from ar on {task} prompt {i}"
+                row = totals.setdefault((task, m, name), {"tokens": 0, "seconds": 0.0, "steps": 0})
+                row["tokens"] += res.new_tokens
+                row["seconds"] += res.elapsed_s
+                row["steps"] += len(res.steps)
+        print(f"{i + 1}/{len(items)}", file=sys.stderr, flush=True)
+    out = []
+    for task in TASKS:
+        for m in methods:
+            o, n = totals[(task, m, "old")], totals[(task, m, "new")]
+            tps = {k: r["tokens"] / r["seconds"] for k, r in (("old", o), ("new", n))}
+            out.append({"task": task, "method": m, "old_tokens_per_s": round(tps["old"], 2), "new_tokens_per_s": round(tps["new"], 2),
+                        "new_over_old": round(tps["new"] / tps["old"], 4),
+                        "old_tokens_per_step": round(o["tokens"] / o["steps"], 3),
+                        "new_tokens_per_step": round(n["tokens"] / n["steps"], 3), "same_as_ar": True})
+            print(f"{task:5} {m:14} old {tps['old']:6.1f} tok/s ({out[-1]['old_tokens_per_step']:.2f}/step)  new {tps['new']:6.1f} "
+                  f"tok/s ({out[-1]['new_tokens_per_step']:.2f}/step)  new/old {out[-1]['new_over_old']:.3f}", file=sys.stderr)
+    print(json.dumps({"hardware": hardware(), "prompts_per_task": args.prompts_per_task, "max_new_tokens": args.max_new_tokens,
+                      "fits": {k: {t: rt.bank(t).fit.get("hardware") for t in TASKS} for k, rt in sides.items()}, "results": out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,8 @@
 `--old` and `--new` are folders holding `assets/heads/<model>/{hydra,medusa}/` and `banks/`
 (a checkout, or `git archive <rev> assets/heads banks | tar -x -C DIR`). Each loads the model
 and runs through its banks' fit for this machine (calibrated first where the shipped fit is
-another machine's). Per prompt the two alternate, starting side swapped every prompt, after an
+another machine's; `--refit`: both timed now, so that neither fit carries another moment of the
+machine). Per prompt the two alternate, starting side swapped every prompt, after an
 untimed warm-up of each; a method's figure is its tokens over its wall time per task, and its
 token ids must equal `ar`'s (the greedy output). Figures hold for this machine only: it is named.
 """
@@ -27,9 +28,9 @@ from entmtp.runtime.weights import model_slug  # noqa: E402
 from entmtp.spec.engine import collect  # noqa: E402
 
 
-def runtime(root: Path):
+def runtime(root: Path, fit_mode: str):
     heads = root / "assets" / "heads" / model_slug(DEFAULT_MODEL)
-    return load_runtime(ModelConfig(), str(heads / "hydra"), str(heads / "medusa"), root / "banks", fit_mode="auto")
+    return load_runtime(ModelConfig(), str(heads / "hydra"), str(heads / "medusa"), root / "banks", fit_mode=fit_mode)
 
 
 def main() -> None:
@@ -39,9 +40,11 @@ def main() -> None:
     ap.add_argument("--methods", default="entmtp-tau")
     ap.add_argument("--prompts-per-task", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--refit", action="store_true", help="time and fit both sides' banks now, in one moment of the machine")
     args = ap.parse_args()
     methods = [m for m in args.methods.split(",") if m]
-    sides = {"old": runtime(args.old), "new": runtime(args.new)}
+    mode = "refit" if args.refit else "auto"
+    sides = {"old": runtime(args.old, mode), "new": runtime(args.new, mode)}
     gen, warm = GenerationConfig(max_new_tokens=args.max_new_tokens), GenerationConfig(max_new_tokens=16)
     items = [(t, it["prompt"]) for t in TASKS for it in eval_prompt_file(t, args.prompts_per_task)]
     ref = sides["new"]
@@ -75,7 +78,7 @@ def main() -> None:
                         "new_tokens_per_step": round(n["tokens"] / n["steps"], 3), "same_as_ar": True})
             print(f"{task:5} {m:14} old {tps['old']:6.1f} tok/s ({out[-1]['old_tokens_per_step']:.2f}/step)  new {tps['new']:6.1f} "
                   f"tok/s ({out[-1]['new_tokens_per_step']:.2f}/step)  new/old {out[-1]['new_over_old']:.3f}", file=sys.stderr)
-    print(json.dumps({"hardware": hardware(), "prompts_per_task": args.prompts_per_task, "max_new_tokens": args.max_new_tokens,
+    print(json.dumps({"hardware": hardware(), "refit": args.refit, "prompts_per_task": args.prompts_per_task, "max_new_tokens": args.max_new_tokens,
                       "fits": {k: {t: rt.bank(t).fit.get("hardware") for t in TASKS} for k, rt in sides.items()}, "results": out}))
 
 

@@ -103,7 +103,7 @@ def test_race_in_the_browser(page, task, policy, baseline, custom_tau):
     assert policy.split(" (")[0] in stats
     # each side's tokens/s predicted for this prompt (the fit's, for its length and tokens): not for
     # hand-set thresholds, nor for Medusa, which no fit prices
-    base_stats = page.locator(".stats").nth(1).inner_text()
+    base_stats = page.locator(".stats", has_text=baseline.split(" (")[0]).last.inner_text()
     assert ("predicted here for this prompt" in stats) != custom_tau, stats
     assert ("predicted here for this prompt" in base_stats) == (not baseline.startswith("Medusa")), base_stats
     # every chart is drawn by plotly, with the race's traces in it

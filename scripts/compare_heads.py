@@ -50,7 +50,7 @@ def main() -> None:
     items = [(t, it["prompt"]) for t in TASKS for it in eval_prompt_file(t, args.prompts_per_task)]
     ref = sides["new"]
     for task in TASKS:  # untimed: kernels, caches and each tree size once
-        ids = ref.encode(items[[t for t, _ in items].index(task)][1])
+        ids = ref.encode(next(p for t, p in items if t == task))
         for rt in sides.values():
             for m in methods:
                 collect(rt.run(m, task, ids, warm))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from entmtp.bank import fit as fitting
-from entmtp.bank.predict import NoPrediction, predict, predict_all, prefill_ms, slope
+from entmtp.bank.predict import NoPrediction, predict, prefill_ms, slope
 from entmtp.spec.topology import compile_tree
 from test_calibrate import synthetic
 
@@ -24,10 +24,10 @@ def test_formula():
     step = 14.0 + 0.03 * (82 - 192)
     assert predict(fit, "entmtp-tau", 32, 100) == pytest.approx(100 / (8.0 + 50 * step) * 1e3)
     assert predict(fit, "ar", 32, 100) > predict(fit, "ar", 600, 100)  # a long prompt: dearer steps and prefill
-    assert set(predict_all(fit, 32, 100)) == {"ar", "entmtp-tau"}
     with pytest.raises(NoPrediction, match="refit"):
         predict({"context": 192, "per_method": fit["per_method"]}, "ar", 32, 100)
-    assert predict_all({"per_method": {}}, 32, 100) == {}
+    with pytest.raises(NoPrediction, match="per-method"):
+        predict({**fit, "per_method": {}}, "ar", 32, 100)
 
 
 def test_at_the_calibration_prompts_it_is_the_fits_own_prediction():

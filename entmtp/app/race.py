@@ -313,20 +313,20 @@ class Side:
     def tokens_per_s(self) -> float:
         return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
 
-    def predicted(self) -> float | None:
-        """Tokens/s predicted for this prompt: at its budget while racing, at the tokens emitted once done."""
+    def predicted(self) -> str:
+        """The tokens/s predicted for this prompt, in words: at its budget while racing, at the
+        tokens emitted once done; "" without a forecast."""
         f = self.forecast
         if not f:
-            return None
-        return predict(f["fit"], f["method"], f["prompt_tokens"], len(self.ids) if self.done and self.ids else f["budget"])
+            return ""
+        emitted = self.done and self.ids
+        tps = predict(f["fit"], f["method"], f["prompt_tokens"], len(self.ids) if emitted else f["budget"])
+        return (f"predicted here for this prompt ({f['prompt_tokens']} tokens, "
+                + (f"{len(self.ids)} new" if emitted else f"up to {f['budget']} new") + f"): {tps:.1f} tokens/s")
 
     def stats(self, other: "Side | None" = None) -> str:
         head = f"#### {self.name}\n"
-        pred = self.predicted()
-        f = self.forecast or {}
-        said = (f"predicted here for this prompt ({f['prompt_tokens']} tokens, "
-                + (f"{len(self.ids)} new" if self.done and self.ids else f"up to {f['budget']} new") + f"): {pred:.1f} tokens/s"
-                ) if pred else ""
+        said = self.predicted()
         if not self.records:
             return head + "*prefill…*" + (f"  \n<small>{said}</small>" if said else "")
         steps = len(self.records)

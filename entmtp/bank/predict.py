@@ -50,10 +50,3 @@ def predict(fit: dict[str, Any], method: str, prompt_tokens: int, new_tokens: in
     ms = prefill_ms(cost, prompt_tokens) + n / per["mean_accepted"] * max(step, 1e-3)
     return n / ms * 1e3
 
-
-def predict_all(fit: dict[str, Any], prompt_tokens: int, new_tokens: int) -> dict[str, float]:
-    """`predict` for every method the fit knows; {} for a fit without context costs."""
-    try:
-        return {m: round(predict(fit, m, prompt_tokens, new_tokens), 2) for m in fit.get("per_method") or {}}
-    except NoPrediction:
-        return {}

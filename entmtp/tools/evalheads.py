@@ -5,8 +5,8 @@ Accuracy is read on self-generated answers to the calibration split (the same he
 
 The accepted length is that of the heads' own method (`hydra` or `medusa`) on Hydra's default
 tree, and on the small trees the CPU fits keep (`SMALL_TREES`), over each evaluation set (each
-task's eval split, and chat's everyday requests: `prompts.EVAL_SETS`), computed exactly from acceptance traces (`bank.traces`): at
-temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
+task's eval split, and chat's everyday requests: `config.EVAL_SETS`), computed exactly from
+acceptance traces (`bank.traces`): at temperature 0 a decode with any tree follows from the greedy continuation and the heads' ranks
 along it, position by position (tests check trace simulation against real rollouts). The
 greedy continuations depend on the base model only, so they are kept in the user cache
 (`<cache>/eval-answers/<model>.jsonl.gz`, never read by training) and a second evaluation, of

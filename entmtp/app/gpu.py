@@ -18,6 +18,7 @@ import contextvars
 import inspect
 import json
 import os
+import threading
 from functools import wraps
 from pathlib import Path
 from typing import Any, Callable
@@ -103,7 +104,7 @@ def remember(fingerprint: dict[str, Any]) -> None:
     _seen["fingerprint"] = fingerprint
     path = record_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # two threads of a page may remember at once
     tmp.write_text(json.dumps(fingerprint))
     tmp.replace(path)
 

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import statistics
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -155,7 +156,7 @@ def load_fit(path: Path) -> dict[str, Any] | None:
 
 def save_fit(path: Path, fit: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # a server's threads may save at once
     tmp.write_text(json.dumps(fit, indent=1))
     tmp.replace(path)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entmtp.model import kernels, serve
+from entmtp.model import gguf, kernels, serve
 from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.spec.engine import Engine, Strategy, collect
@@ -92,9 +92,11 @@ def test_packed_heads_draft_like_stock_heads():
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
     sample = (torch.randn(60, model.config.hidden_size), ids)
     packed = copy.deepcopy(heads).bind(model).pack(sample)
-    int8 = kernels.int8_available("cpu")
+    blocks = gguf.extension() is not None
+    int8 = blocks or kernels.int8_available("cpu")
     bf16 = not int8 and kernels.available("cpu", torch.bfloat16)
-    assert packed.numerics == ("int8-rows-smoothed" if int8 else "packed-bfloat16" if bf16 else "packed-float32")
+    want = "q8-blocks-smoothed" if blocks else "int8-rows-smoothed" if int8 else "packed-bfloat16" if bf16 else "packed-float32"
+    assert packed.numerics == want
     feature = torch.randn(3, model.config.hidden_size)
     path = torch.randint(0, model.config.vocab_size, (3, 2))
     with torch.inference_mode():
@@ -168,3 +170,32 @@ def test_int8_rows_do_not_depend_on_the_batch():
             assert layer(x[None]).shape == (1, 7, 40)
         err = lambda y: float((y - want).abs().max() / want.abs().max())
         assert err(smooth(x)) < 0.03 and err(smooth(x)) < err(plain(x))
+
+
+@pytest.mark.skipif(gguf.extension() is None, reason="the GGUF block kernels do not build here")
+def test_q8_block_rows_do_not_depend_on_the_batch():
+    """The draft heads' Q8 block linears: a row's result is the same bits alone, among a few and
+    among hundreds (a bank's traces read every position in one call, past the base model's
+    64-row float32 switch), on every instruction-set path; close to float32 with an outlier
+    channel once smoothed, and closer than row-wise int8."""
+    from entmtp.model import ext
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(2880, 40)  # wider than the float32 path's 2048 inputs: the 4th Hydra head's first layer
+    x = torch.randn(150, 2880, generator=g)
+    x[:, 3] *= 40  # an outlier channel, as in a base model's hidden state
+    smooth = kernels.smooth_factors(lin.weight, x.abs().amax(0))
+    with torch.inference_mode():
+        want = lin(x)
+        ref = gguf.Q8BlockLinear(lin.weight, lin.bias, smooth, isa="scalar")(x)
+        for isa in ext.extension().isas():
+            layer = gguf.Q8BlockLinear(lin.weight, lin.bias, smooth, isa=isa)
+            batch = layer(x)
+            assert torch.equal(batch, ref), isa
+            assert all(torch.equal(layer(x[r : r + 1])[0], batch[r]) for r in (0, 5, 149))
+            assert torch.equal(layer(x[10:13]), batch[10:13])
+        assert layer(x[None, :7]).shape == (1, 7, 40)
+        err = lambda y: float((y - want).abs().max() / want.abs().max())
+        plain = gguf.Q8BlockLinear(lin.weight, lin.bias)(x)
+        rows = kernels.Int8RowLinear(lin.weight, lin.bias, x.abs().amax(0))(x) if kernels.int8_available("cpu") else plain
+        assert err(ref) < 0.02 and err(ref) <= err(plain) and err(ref) <= err(rows), (err(ref), err(plain), err(rows))

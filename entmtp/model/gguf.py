@@ -47,6 +47,9 @@ _BLOCK = 32
 MAX_IN = 2048  # the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs (kMaxIn)
 
 GROUP = 16  # output columns a packed group (csrc/gguf_linear.cpp)
+# the kernels' arithmetic of a call (`q8` argument): float32 inputs; Q8 inputs for calls of up to
+# `q8_max_rows` rows (the base model); Q8 inputs whatever the rows (draft heads)
+F32, Q8_SMALL, Q8_ALWAYS = 0, 1, 2
 
 
 def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -103,10 +106,10 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight)
-        code = ISA_CODES[self.isa]
+        code, arithmetic = ISA_CODES[self.isa], Q8_SMALL if self.q8 else F32
         if self.kind == "q4_1":
-            return self._ext.q4_1_linear(x, self.qs, self.d, self.m, self.out_features, self.q8, code)
-        return self._ext.q8_0_linear(x, self.qs, self.d, self.out_features, self.q8, code)
+            return self._ext.q4_1_linear(x, self.qs, self.d, self.m, self.out_features, arithmetic, code)
+        return self._ext.q8_0_linear(x, self.qs, self.d, self.out_features, arithmetic, code)
 
     @classmethod
     def concat(cls, layers: list["GGUFLinear"]) -> "GGUFLinear":
@@ -121,6 +124,54 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {self.kind} blocks"
                 f"{f', q8 inputs ({self.isa})' if self.q8 else ''}")
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights [out, in] (in a multiple of 32) -> Q8_0 blocks in the GGUF's layout (values
+    int8 [out, in], fp16 scales [out, blocks]), as ggml's reference quantiser makes them: per block
+    of 32, d = max|w| / 127, q = w / d rounded to the nearest."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, _BLOCK)
+    d = (w.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d > 0, 1 / d.float().clamp_min(1e-30), torch.zeros((), dtype=torch.float32))
+    q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape[0], -1), d
+
+
+class Q8BlockLinear(nn.Module):
+    """A linear layer (with its bias) for draft heads on a CPU: its float weights quantised to Q8_0
+    blocks (a scale per 32 inputs of each output) and its inputs to Q8 blocks, multiplied by the
+    GGUF kernels whatever the number of rows (`Q8_ALWAYS`). Each output is computed alone in one
+    fixed order, so a row's result never depends on the batch it is in: the heads draft the same
+    tokens in the engine (a few rows a depth) as in a bank's traces (hundreds of positions in one
+    call). `smooth` (optional, [in]): inputs are divided by it and the weights' columns multiplied
+    by it before quantising (SmoothQuant), so outlier channels do not swamp their block."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, smooth: torch.Tensor | None = None, isa: str | None = None):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        if self.in_features % _BLOCK:
+            raise ValueError(f"Q8BlockLinear: {self.in_features} inputs are not whole blocks of {_BLOCK}")
+        self.register_buffer("smooth", None if smooth is None else (1 / smooth.float()).contiguous(), persistent=False)
+        if smooth is not None:
+            w = w * smooth.float()
+        qs, d = quantize_q8_0(w)
+        q, d, _ = pack("q8_0", qs, d, None)
+        self.register_buffer("qs", q, persistent=False)
+        self.register_buffer("d", d, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self._ext = extension()
+        self.isa = isa or isa_name()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.smooth is not None:
+            x = x * self.smooth
+        y = self._ext.q8_0_linear(x, self.qs, self.d, self.out_features, Q8_ALWAYS, ISA_CODES[self.isa])
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, q8_0 blocks ({self.isa})"
 
 
 def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -92,6 +92,13 @@ def int8_available(device: torch.device | str) -> bool:
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength; 0.3-0.85 measured, 0.5 agreed best with float32
 
 
+def smooth_factors(weight: torch.Tensor, act_absmax: torch.Tensor) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors s: inputs x / s and weights W * s balance each
+    channel's range between the two before both are quantised."""
+    w = weight.detach().float()
+    return (act_absmax.float().clamp_min(1e-5) ** SMOOTH_ALPHA / w.abs().amax(0).clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)).clamp(1e-3, 1e3)
+
+
 class Int8RowLinear(nn.Module):
     """A linear layer for draft heads on a CPU: int8 weights (one scale per output row) and int8
     activations quantised per input row, multiplied by fbgemm with exact int32 accumulation.
@@ -111,7 +118,7 @@ class Int8RowLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.smooth = None
         if act_absmax is not None:  # SmoothQuant: x / s and W * s balance each input channel's range
-            s = (act_absmax.float().clamp_min(1e-5) ** SMOOTH_ALPHA / w.abs().amax(0).clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)).clamp(1e-3, 1e3)
+            s = smooth_factors(w, act_absmax)
             w = w * s
             self.smooth = (1 / s).contiguous()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entmtp.model import kernels
+from entmtp.model import gguf, kernels
 from entmtp.model import kv
 
 
@@ -167,32 +167,46 @@ class DraftHeads(nn.Module):
         w = self._base["lm_head"].weight
         if not kernels.available(w.device, torch.float32):
             return self
-        int8 = kernels.int8_available(w.device)
+        blocks = w.device.type == "cpu" and gguf.extension() is not None and self._whole_blocks()
+        int8 = blocks or kernels.int8_available(w.device)
         dtype = torch.float32 if int8 or not kernels.available(w.device, torch.bfloat16) else torch.bfloat16
         seen: dict[Any, torch.Tensor] = {}
         if int8 and sample is not None:
             seen = self._input_absmax(*sample)
+
+        def quantized(weight, bias, absmax):
+            if blocks:
+                return gguf.Q8BlockLinear(weight, bias, None if absmax is None else kernels.smooth_factors(weight, absmax))
+            return kernels.Int8RowLinear(weight, bias, absmax)
+
         for name, child in self.named_children():
             if name == "prefix_embeding_layer":  # Hydra++'s prefix layer reads float32 base states
                 kernels.pack_linears(child)
             elif int8:
-                kernels.int8_linears(child, seen)
+                _replace_linears(child, lambda lin: quantized(lin.weight, lin.bias, seen.get(lin)))
             else:
                 child.to(dtype)
                 kernels.pack_linears(child)
         self.compute_dtype = dtype
-        self.numerics = ("int8-rows" + ("-smoothed" if seen else "")) if int8 else f"packed-{str(dtype).removeprefix('torch.')}"
+        if blocks:
+            self.numerics = "q8-blocks" + ("-smoothed" if seen else "")
+        else:
+            self.numerics = ("int8-rows" + ("-smoothed" if seen else "")) if int8 else f"packed-{str(dtype).removeprefix('torch.')}"
         self._lm_packed = {}
         for i in range(self.num_heads):
             if self._lm_key(i) not in self._lm_packed:
                 weight, bias = self._lm_weights(i)
                 if int8:
-                    self._lm_packed[self._lm_key(i)] = kernels.Int8RowLinear(weight, bias, seen.get(("lm", self._lm_key(i))))
+                    self._lm_packed[self._lm_key(i)] = quantized(weight, bias, seen.get(("lm", self._lm_key(i))))
                 else:
                     bias = None if bias is None else bias.to(dtype)
                     self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
         self._lm_cache = {}  # the packed copies replace the float32 slices
         return self
+
+    def _whole_blocks(self) -> bool:
+        """Whether every head linear's inputs come in whole blocks of 32 (the Q8 block kernels')."""
+        return self.hidden_size % 32 == 0 and all(m.in_features % 32 == 0 for m in self.modules() if isinstance(m, nn.Linear))
 
     @torch.inference_mode()
     def _input_absmax(self, features: torch.Tensor, ids: torch.Tensor) -> dict[Any, torch.Tensor]:
@@ -227,6 +241,15 @@ class DraftHeads(nn.Module):
 
     def config_dict(self) -> dict[str, Any]:
         raise NotImplementedError
+
+
+def _replace_linears(module: nn.Module, make) -> None:
+    """Replace every `nn.Linear` under `module` by `make(linear)`."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, make(child))
+        else:
+            _replace_linears(child, make)
 
 
 class HeadContext:

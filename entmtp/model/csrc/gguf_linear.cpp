@@ -9,7 +9,7 @@
 //         w + 128 (w ^ 0x80); d fp16 [groups, B, 16].
 // Columns past the layer's last (a partial group) hold zero weights and scales.
 //
-// float32 (`linear_f32`, every call of more than kQ8MaxRows rows, or where Q8 inputs are off): a
+// float32 (`linear_f32`, arithmetic kF32, or kQ8Small and a call of more than kQ8MaxRows rows): a
 // weight row is dequantised (w = d * q + m for Q4_1, w = d * q for Q8_0; the multiply and the add
 // rounded separately, as gguf-py's numpy dequantisation computes them, so exactly the values of
 // the float32 model the loader made from the same file) into a buffer in L1, then dotted with
@@ -513,7 +513,6 @@ Packed packed(const at::Tensor& q, const at::Tensor& d, const c10::optional<at::
               "gguf linear: packed values must be uint8 [groups, blocks, ", chunks, ", 64]");
   const int64_t groups = q.size(0), blocks = q.size(1), K = blocks * kBlock;
   TORCH_CHECK(N > 0 && (N + kGroup - 1) / kGroup == groups, "gguf linear: ", N, " outputs do not fill ", groups, " groups of 16");
-  TORCH_CHECK(K <= kMaxIn, "gguf linear: at most ", kMaxIn, " inputs");
   auto check = [&](const at::Tensor& s, const char* what) {
     TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.numel() == groups * blocks * kGroup,
                 "gguf linear: packed ", what, " must be float16 [groups, blocks, 16]");
@@ -523,7 +522,7 @@ Packed packed(const at::Tensor& q, const at::Tensor& d, const c10::optional<at::
   return {q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.has_value() ? m->data_ptr<at::Half>() : nullptr, N, K, blocks, groups, chunks};
 }
 
-at::Tensor linear(const at::Tensor& x_in, const Packed& P, bool q8, int64_t isa) {
+at::Tensor linear(const at::Tensor& x_in, const Packed& P, int64_t q8, int64_t isa) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf linear: float32 input expected");
   TORCH_CHECK(x_in.size(-1) == P.K, "gguf linear: input has ", x_in.size(-1), " features, the weight ", P.K);
   TORCH_CHECK(can_run(isa), "gguf linear: this CPU cannot run instruction-set path ", isa);
@@ -533,7 +532,10 @@ at::Tensor linear(const at::Tensor& x_in, const Packed& P, bool q8, int64_t isa)
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool q41 = P.m != nullptr;
-  if (!q8 || M > kQ8MaxRows) {  // a prompt's block: float32, where the integer tiles gain nothing
+  TORCH_CHECK(q8 >= kF32 && q8 <= kQ8Always, "gguf linear: arithmetic ", q8, " is none of 0 (float32), 1 (Q8 up to ", kQ8MaxRows,
+              " rows), 2 (Q8 always)");
+  if (q8 == kF32 || (q8 == kQ8Small && M > kQ8MaxRows)) {  // a prompt's block: float32
+    TORCH_CHECK(P.K <= kMaxIn, "gguf linear: float32 arithmetic takes at most ", kMaxIn, " inputs");
     if (q41)
       linear_f32(xp, M, P.N, P.K, Q41Blocks{P}, yp);
     else
@@ -615,10 +617,10 @@ std::vector<std::string> isas() {
   return out;
 }
 
-at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, bool q8, int64_t isa) {
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, int64_t q8, int64_t isa) {
   return linear(x, packed(q, d, m, N, 4), q8, isa);
 }
 
-at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, bool q8, int64_t isa) {
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int64_t q8, int64_t isa) {
   return linear(x, packed(q, d, c10::nullopt, N, 8), q8, isa);
 }

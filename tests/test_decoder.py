@@ -1,14 +1,11 @@
 """The lean Llama forward (entmtp/model/decoder.py) equals transformers' forward bit for bit."""
 
-import os
-
 import pytest
 import torch
 
 from entmtp.model import decoder
 from entmtp.model import kernels
 from entmtp.model import kv
-from entmtp.spec import verify
 from entmtp.config import ModelConfig
 from entmtp.runtime.weights import load_model
 from entmtp.spec.topology import compile_tree

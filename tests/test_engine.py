@@ -11,7 +11,6 @@ import torch
 from entmtp.model import forward
 from entmtp.model import kv
 from entmtp.spec import verify
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.spec.engine import Engine, GenerationError, Strategy, collect
 from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy

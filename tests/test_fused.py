@@ -11,7 +11,6 @@ from entmtp.model import decoder
 from entmtp.model import kernels, serve
 from entmtp.model import ext
 from entmtp.model import gguf as quant
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import GenerationConfig
 from entmtp.spec.engine import Engine, Strategy, collect
 from entmtp.spec.policy import StaticPolicy

@@ -9,7 +9,6 @@ from entmtp.model import forward
 from entmtp.model import graphs
 from entmtp.spec import drafting
 from entmtp.spec import verify
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.spec.engine import Engine, Strategy, collect
 from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy

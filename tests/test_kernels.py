@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from entmtp.model import gguf, kernels, serve
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import TREES_FILE, GenerationConfig
 from entmtp.spec.engine import Engine, Strategy, collect
 from entmtp.spec.policy import StaticPolicy, TauPolicy

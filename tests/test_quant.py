@@ -14,7 +14,6 @@ from entmtp.model import ext
 from entmtp.model import gguf as quant
 from entmtp.config import GenerationConfig, ModelConfig
 from entmtp.spec.engine import Strategy, collect
-from entmtp.bank.bank import TopologyBank
 from entmtp.runtime.weights import default_gguf, load_model
 from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.policy import StaticPolicy

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from entmtp.data import prompts as data
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import Strategy, collect
 from entmtp.spec.heads import HydraHeads, MedusaHeads

@@ -144,19 +144,6 @@ def _quantized_engine() -> None:
         torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
 
 
-def int8_linears(module: nn.Module, act_absmax: dict[nn.Module, torch.Tensor] | None = None) -> int:
-    """Replace every `nn.Linear` under `module` by an `Int8RowLinear`, smoothed by its inputs'
-    per-channel magnitude where `act_absmax` has it (see `input_absmax`); returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8RowLinear(child.weight, child.bias, (act_absmax or {}).get(child)))
-            count += 1
-        else:
-            count += int8_linears(child, act_absmax)
-    return count
-
-
 @contextmanager
 def input_absmax(module: nn.Module) -> Iterator[dict[nn.Module, torch.Tensor]]:
     """Within this block, record the largest |input| per channel of every `nn.Linear` under
@@ -175,16 +162,22 @@ def input_absmax(module: nn.Module) -> Iterator[dict[nn.Module, torch.Tensor]]:
             h.remove()
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every CPU `nn.Linear` of a packable dtype under `module` by a `PackedLinear`; returns how many."""
+def replace_linears(module: nn.Module, make, when=lambda linear: True) -> int:
+    """Replace every `nn.Linear` under `module` for which `when(linear)` holds by `make(linear)`;
+    returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and available(child.weight.device, child.weight.dtype):
-            setattr(module, name, PackedLinear.of(child))
+        if isinstance(child, nn.Linear) and when(child):
+            setattr(module, name, make(child))
             count += 1
         else:
-            count += pack_linears(child)
+            count += replace_linears(child, make, when)
     return count
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every CPU `nn.Linear` of a packable dtype under `module` by a `PackedLinear`; returns how many."""
+    return replace_linears(module, PackedLinear.of, lambda linear: available(linear.weight.device, linear.weight.dtype))
 
 
 # --- attention over a tree block --------------------------------------------------------------

@@ -183,7 +183,7 @@ class DraftHeads(nn.Module):
             if name == "prefix_embeding_layer":  # Hydra++'s prefix layer reads float32 base states
                 kernels.pack_linears(child)
             elif int8:
-                _replace_linears(child, lambda lin: quantized(lin.weight, lin.bias, seen.get(lin)))
+                kernels.replace_linears(child, lambda lin: quantized(lin.weight, lin.bias, seen.get(lin)))
             else:
                 child.to(dtype)
                 kernels.pack_linears(child)
@@ -241,15 +241,6 @@ class DraftHeads(nn.Module):
 
     def config_dict(self) -> dict[str, Any]:
         raise NotImplementedError
-
-
-def _replace_linears(module: nn.Module, make) -> None:
-    """Replace every `nn.Linear` under `module` by `make(linear)`."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
-        else:
-            _replace_linears(child, make)
 
 
 class HeadContext:

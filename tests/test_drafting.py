@@ -1,11 +1,12 @@
 """Drafting: every token `expand` drafts equals a direct drafting, node by node, from its own path."""
 
+import copy
 import random
 
 import pytest
 import torch
 
-from entmtp.spec.drafting import expand, top1_chain
+from entmtp.spec.drafting import expand, top1_chain, top1_logits
 from entmtp.spec.topology import compile_tree
 from conftest import random_heads, random_tree
 
@@ -99,3 +100,28 @@ def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw)
                 del heads.head_logits
             assert calls == list(range(d, 4))
             assert probs == whole[1] and all(torch.equal(a, b) for a, b in zip(logits, whole[0]))
+
+
+@pytest.mark.parametrize("kind, kw", KINDS)
+def test_chain_on_q8_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw):
+    """Heads on Q8 blocks run the top-1 chain in one extension call (`top1_on_blocks`): the same
+    logits and probabilities as the modules, op by op, from the root or from a longer path, with
+    and without a draft vocabulary, so the engine drafts what a bank's traces recorded."""
+    heads = random_heads(model, kind, **kw)
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+    for vocab in (None, torch.arange(3, 47, 2)):
+        heads.set_draft_vocab(vocab)
+        packed = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+        assert packed.numerics.startswith("q8-blocks") and packed._chain is not None
+        with torch.inference_mode():
+            for root, feature in features(model, packed, 6):
+                for start in ([root], [root, 5], [root, 5, 7]):
+                    path = torch.tensor([start])
+                    fast = packed.top1_on_blocks(feature, path, 4)
+                    chain, packed._chain = packed._chain, None
+                    try:
+                        slow = top1_logits(packed, feature, path, 4)
+                    finally:
+                        packed._chain = chain
+                    assert len(fast[0]) == len(slow[0]) == 4 - len(start) + 1
+                    assert torch.equal(fast[1], slow[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], slow[0]))

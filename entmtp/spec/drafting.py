@@ -34,6 +34,9 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     """The top-1 chain on the device, from `path` (1, d+1) = root and the chain's first d tokens
     on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
     (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it."""
+    fast = heads.top1_on_blocks(feature, path, depth)  # Q8-block heads on a CPU: one extension call, the same bits
+    if fast is not None:
+        return fast
     h = feature[None]  # (1, H)
     logits, probs = [], []
     for d in range(path.shape[1] - 1, depth):

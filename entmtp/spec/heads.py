@@ -73,6 +73,7 @@ class DraftHeads(nn.Module):
         self._base: dict[str, Any] = {}
         self._lm_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._lm_packed: dict[int, nn.Module] | None = None  # set by pack()
+        self._chain = None  # set by pack() on Q8 blocks: the extension's top-1 chain (`top1_on_blocks`)
         self.compute_dtype: torch.dtype | None = None  # set by pack(): the heads' activations
         self.numerics = "float32"  # set by pack(): how the heads compute (int8-rows, packed-bfloat16, ...)
         self._embed_probe: tuple[Path, torch.Tensor, torch.Tensor] | None = None  # set by load_heads (Hydra)
@@ -93,7 +94,7 @@ class DraftHeads(nn.Module):
         self.draft_vocab = self.draft_vocab.to(w.device)
         self._base = {"embed": model.get_input_embeddings(), "lm_head": lm_head}
         self._lm_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._lm_packed = None
+        self._lm_packed, self._chain = None, None
         return self
 
     def _check_embedding(self, weight: torch.Tensor) -> None:
@@ -119,7 +120,7 @@ class DraftHeads(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise HeadsError(f"draft vocabulary holds ids outside [0, {self.vocab_size})")
         self.draft_vocab = ids.to(self.draft_vocab.device)
-        self._lm_cache, self._lm_packed = {}, None
+        self._lm_cache, self._lm_packed, self._chain = {}, None, None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._base["embed"](ids)
@@ -202,7 +203,46 @@ class DraftHeads(nn.Module):
                     bias = None if bias is None else bias.to(dtype)
                     self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
         self._lm_cache = {}  # the packed copies replace the float32 slices
+        self._chain = self._chain_on_blocks() if blocks else None
         return self
+
+    def _chain_on_blocks(self):
+        """The extension's `HeadChain` over these heads' Q8 blocks (the same operations as the
+        modules, without the Python between them), or None where some head is not made of
+        Q8-block ResBlocks or the embedding is not float32."""
+        embed = self._base["embed"].weight.detach() if self.path_dependent else torch.empty(0)
+        if embed.dtype != torch.float32 or not embed.is_contiguous():
+            return None
+        empty = torch.empty(0)
+
+        def parts(lin) -> list[torch.Tensor]:
+            if isinstance(lin, nn.Identity):
+                return [empty] * 4
+            if not isinstance(lin, gguf.Q8BlockLinear):
+                raise TypeError
+            return [lin.qs, lin.d, empty if lin.smooth is None else lin.smooth, empty if lin.bias is None else lin.bias]
+
+        try:
+            heads = [[parts(b.linear) + parts(b.res_connection) for b in self.head_blocks(i)] for i in range(self.num_heads)]
+            lm = [parts(self._lm_packed[self._lm_key(i)]) for i in range(self.num_heads)]
+        except TypeError:
+            return None
+        lm_rows = self._lm_packed[self._lm_key(0)].out_features
+        isa = gguf.ISA_CODES[self._lm_packed[self._lm_key(0)].isa]
+        return gguf.extension().HeadChain(heads, lm, embed, self.draft_vocab, self.hidden_size, lm_rows, isa)
+
+    def head_blocks(self, i: int) -> list[ResBlock]:
+        """Head i's ResBlocks, in order."""
+        raise NotImplementedError
+
+    def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """`drafting.top1_logits` in one extension call where the heads are on Q8 blocks (the same
+        bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1 and their
+        top-1 probabilities; None elsewhere."""
+        if self._chain is None or feature.device.type != "cpu":
+            return None
+        logits, probs, _ = self._chain.chain(feature.float(), path[0].tolist(), depth)
+        return list(logits.unbind(0)), probs
 
     def _whole_blocks(self) -> bool:
         """Whether every head linear's inputs come in whole blocks of 32 (the Q8 block kernels')."""
@@ -327,6 +367,9 @@ class HydraHeads(DraftHeads):
     def new_context(self) -> HeadContext:
         return PrefixContext(self.prefix_embeding_layer) if self.arch == "prefix-mlp" else HeadContext()
 
+    def head_blocks(self, i: int) -> list[ResBlock]:
+        return [m for m in self.hydra_mlp[i] if isinstance(m, ResBlock)]  # Hydra++'s Dropout(0.0)s are identities
+
     def head_hidden(self, i: int, feature: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
         if self.grounded:
             emb = self.embed(path_tokens[:, : i + 1]).to(feature.dtype)  # (B, i+1, H)
@@ -368,6 +411,9 @@ class MedusaHeads(DraftHeads):
 
     def own_lm_head(self, i: int) -> nn.Linear:
         return self.heads[i][self.num_layers]
+
+    def head_blocks(self, i: int) -> list[ResBlock]:
+        return list(self.heads[i][: self.num_layers])
 
     def head_hidden(self, i: int, feature: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
         return self.heads[i][: self.num_layers](feature)

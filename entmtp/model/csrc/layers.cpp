@@ -9,6 +9,7 @@
 // (the engine's), which calls these very functions. Rotary embedding and residual additions are
 // single IEEE multiplications and additions (built without contraction), the same bits as ATen's.
 #include "gguf_linear.h"
+#include "heads.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -355,4 +356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
       .def("forward", &Stack::forward)
       .def_readwrite("isa", &Stack::isa);
+  pybind11::class_<HeadChain>(mod, "HeadChain")
+      .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
+                          int64_t, int64_t, int64_t>())
+      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, token ids)");
 }

@@ -1,0 +1,104 @@
+// A draft head's top-1 chain in one call: for Hydra or Medusa heads whose linears are Q8_0 blocks
+// (`gguf.Q8BlockLinear`), depth after depth, the head's ResBlocks, its LM head over the draft
+// vocabulary, the top-1 token and its probability, the token appended to the path the next head
+// reads.
+//
+// Every elementwise step is the ATen operation the Python modules run (the input smoothing, the
+// bias, SiLU, the residual, softmax and its maximum) and every product the same Q8 block kernel,
+// so the chain computes the very bits `drafting.top1_logits` computes through the modules, and a
+// bank's traces (the modules over hundreds of positions at once: each row alone in the kernel)
+// stay exact. What goes is the Python between the operations: a few hundred microseconds a step.
+#include "heads.h"
+
+#include "gguf_linear.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/max.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+}  // namespace
+
+at::Tensor HeadChain::Linear::operator()(const at::Tensor& x, int64_t isa) const {
+  // Q8BlockLinear.forward: x * (1 / smooth), the Q8 product, + bias
+  auto y = q8_0_linear(present(inv_smooth) ? at::mul(x, inv_smooth) : x, qs, d, out, kQ8Always, isa);
+  return present(bias) ? at::add(y, bias) : y;
+}
+
+HeadChain::Linear HeadChain::linear_of(const std::vector<at::Tensor>& t, int64_t at_, int64_t out) {
+  TORCH_CHECK(static_cast<int64_t>(t.size()) >= at_ + 4, "HeadChain: a linear is (qs, d, 1/smooth, bias)");
+  return {t[at_], t[at_ + 1], t[at_ + 2], t[at_ + 3], out};
+}
+
+HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads,
+                     at::Tensor embed, at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa)
+    : embed(std::move(embed)), draft_vocab(std::move(draft_vocab)), hidden(hidden), isa(isa) {
+  TORCH_CHECK(!heads.empty() && heads.size() == lm_heads.size(), "HeadChain: one LM head per head");
+  TORCH_CHECK(!present(this->embed) || (this->embed.scalar_type() == at::kFloat && this->embed.is_contiguous() &&
+                                        this->embed.dim() == 2 && this->embed.size(1) == hidden),
+              "HeadChain: the embedding must be float32 [vocab, hidden]");
+  TORCH_CHECK(!present(this->draft_vocab) || (this->draft_vocab.scalar_type() == at::kLong && this->draft_vocab.numel() == lm_rows),
+              "HeadChain: the draft vocabulary must be int64 [LM head rows]");
+  for (size_t i = 0; i < heads.size(); ++i) {
+    std::vector<Block> blocks;
+    for (const auto& b : heads[i]) {
+      TORCH_CHECK(b.size() == 8, "HeadChain: a ResBlock is its linear and its residual linear, 4 tensors each");
+      blocks.push_back({linear_of(b, 0, hidden), linear_of(b, 4, hidden)});
+    }
+    TORCH_CHECK(!blocks.empty(), "HeadChain: a head has at least one ResBlock");
+    this->heads.push_back(std::move(blocks));
+    lm.push_back(linear_of(lm_heads[i], 0, lm_rows));
+  }
+}
+
+at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
+  for (const auto& b : heads[i]) {
+    // ResBlock.forward: res_connection(x) + silu(linear(x)), the residual the identity where absent
+    auto r = present(b.res.qs) ? b.res(x, isa) : x;
+    x = at::add(r, at::silu(b.lin(x, isa)));
+  }
+  return x;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth) const {
+  TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
+  TORCH_CHECK(!path.empty() && depth <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
+  const bool grounded = present(embed);
+  const int64_t first = static_cast<int64_t>(path.size()) - 1, n = std::max<int64_t>(0, depth - first);
+  const auto f = feature.reshape({1, hidden}).contiguous();
+  std::vector<at::Tensor> rows;
+  auto probs = at::empty({n}, feature.options());
+  auto tokens = at::empty({n}, feature.options().dtype(at::kLong));
+  for (int64_t d = first; d < depth; ++d) {
+    at::Tensor x = f;
+    if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
+      x = at::empty({1, (d + 2) * hidden}, feature.options());
+      float* xp = x.data_ptr<float>();
+      std::memcpy(xp, f.data_ptr<float>(), hidden * sizeof(float));
+      for (int64_t j = 0; j <= d; ++j) {
+        TORCH_CHECK(path[j] >= 0 && path[j] < embed.size(0), "HeadChain: token ", path[j], " is outside the embedding");
+        std::memcpy(xp + (j + 1) * hidden, embed.data_ptr<float>() + path[j] * hidden, hidden * sizeof(float));
+      }
+    }
+    auto z = lm[d](hidden_of(d, x), isa);  // (1, K)
+    auto top = at::max(at::softmax(z, -1), -1);  // drafting.top1_logits: softmax(row).max(-1)
+    const int64_t idx = std::get<1>(top).item<int64_t>();
+    const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
+    probs.data_ptr<float>()[d - first] = std::get<0>(top).item<float>();
+    tokens.data_ptr<int64_t>()[d - first] = token;
+    rows.push_back(z);
+    path.push_back(token);
+  }
+  auto logits = rows.empty() ? at::empty({0, lm.empty() ? 0 : lm[0].out}, feature.options()) : at::cat(rows, 0);
+  return {logits, probs, tokens};
+}

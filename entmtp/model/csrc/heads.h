@@ -1,0 +1,39 @@
+// Draft heads on Q8_0 blocks: a Hydra or Medusa head's top-1 chain in one call (heads.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+#include <vector>
+
+struct HeadChain {
+  // One `gguf.Q8BlockLinear`: packed Q8_0 values and scales, the inverse smoothing (empty: none),
+  // the bias (empty: none), `out` outputs.
+  struct Linear {
+    at::Tensor qs, d, inv_smooth, bias;
+    int64_t out;
+    at::Tensor operator()(const at::Tensor& x, int64_t isa) const;
+  };
+  // A ResBlock: res(x) + silu(lin(x)); `res.qs` empty for the identity.
+  struct Block {
+    Linear lin, res;
+  };
+
+  std::vector<std::vector<Block>> heads;
+  std::vector<Linear> lm;
+  at::Tensor embed;        // the base model's input embedding, float32 [vocab, hidden]; empty: heads read the feature alone (Medusa)
+  at::Tensor draft_vocab;  // int64 [K]: draft index -> token id; empty: the LM head covers the whole vocabulary
+  int64_t hidden, isa;
+
+  // heads[i]: head i's ResBlocks, each 8 tensors (its linear's qs, d, 1/smooth, bias, then its
+  // residual's, empty tensors where absent); lm_heads[i]: head i's LM head (qs, d, 1/smooth, bias).
+  HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads, at::Tensor embed,
+            at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa);
+
+  // From `path` (the root and the chain's first tokens) on to `depth`: per head, its draft
+  // logits [n, K], top-1 probability [n] and top-1 token id [n].
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth) const;
+
+ private:
+  static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);
+  at::Tensor hidden_of(int64_t i, at::Tensor x) const;
+};

@@ -89,10 +89,10 @@ def test_record_writes_the_figures_into_heads_json_and_docs_show_them(tmp_path):
               "small_trees": {"hydra": {"2-node": {"chat": row(1.5), "everyday": row(1.6)},
                                         "4-node": {"chat": row(2.0), "everyday": row(2.1)}}},
               "heldout": {"hydra": []}}
-    record_in(folder, "hydra", report, "+q8h/64")
+    record_in(folder, "hydra", report, "+q8")
     assert (folder / "heads.safetensors").read_bytes() == weights
     ev = json.loads((folder / "heads.json").read_text())["provenance"]["evaluation"]
-    assert ev["accepted"]["everyday"]["mean_accepted"] == 2.75 and ev["served"] == "+q8h/64"
+    assert ev["accepted"]["everyday"]["mean_accepted"] == 2.75 and ev["served"] == "+q8"
     block = heads_block([folder / "heads.json"], tmp_path)
     assert "| everyday | 3 | 2.75 [2.65, 2.85] | 1.60 [1.50, 1.70] | 2.10 [2.00, 2.20] |" in block
     assert "| chat | 3 | 2.50 [2.40, 2.60] | 1.50 [1.40, 1.60] | 2.00 [1.90, 2.10] |" in block

@@ -85,7 +85,7 @@ def test_stored_answers_hold_no_evaluation_prompt():
     store = AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", DEFAULT_MODEL)
     assert len(store.rows) > 1000
     lengths = {TrainConfig().answer_tokens, BankBuildConfig().calib_new_tokens}
-    keyed = [AnswerStore(None, DEFAULT_MODEL + a) for a in ("", "+q8h/64", "+q8/64")]
+    keyed = [AnswerStore(None, DEFAULT_MODEL + a) for a in ("", "+q8", "+q8h/64", "+q8/64")]
     evaluation = sorted(_evaluation())
     ids = [encode(p) for p in evaluation]
     hits = [p for p, i in zip(evaluation, ids) for s in keyed for n in lengths if s.key(i, n) in store.rows]

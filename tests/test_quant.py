@@ -91,27 +91,28 @@ SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 
 def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, n, k):
     """Q8 products: the exact integer block sums and the one fixed finish give the same bits in the
     scalar reference (std::fma), AVX2 (forced here even where AVX-512 runs) and AVX-512 VNNI, for
-    every call of 1 to 64 rows, each row as it computes alone."""
+    every call of 1 to 64 rows and one of 100 (a prompt's), each row as it computes alone."""
     e = ext.extension()
     paths = list(e.isas())
     assert {"scalar", "avx2"} <= set(paths)  # the extension needs AVX2, so both always run
     qs, d, m = quant._split_blocks(random_blocks(kind, n, k, seed=n + k), kind)
     q, pd, pm = quant.pack(kind, qs, d, m)
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(64, k, generator=g) * torch.rand(1, k, generator=g) * 3
+    x = torch.randn(100, k, generator=g) * torch.rand(1, k, generator=g) * 3
     x[5, :32] = 0  # an all-zero block: scale 0
     x[7, 3] = 1e4  # one large input: the rest of its block quantises to small integers
 
     def run(rows: torch.Tensor, isa: str) -> torch.Tensor:
         code = ext.ISA_CODES[isa]
-        return e.q4_1_linear(rows, q, pd, pm, n, True, code) if kind == "q4_1" else e.q8_0_linear(rows, q, pd, n, True, code)
+        mode = quant.Q8_ALWAYS  # the served base model's arithmetic: Q8 inputs whatever the rows
+        return e.q4_1_linear(rows, q, pd, pm, n, mode, code) if kind == "q4_1" else e.q8_0_linear(rows, q, pd, n, mode, code)
 
     with torch.inference_mode():
         oracle = run(x, "scalar")
         exact = x.double() @ quant._dequantize(qs, d, m).double().T  # within quantisation error of the float product
         assert ((oracle.double() - exact).norm() / exact.norm()) < 0.02
         for isa in paths:
-            for rows in range(1, 65):
+            for rows in [*range(1, 65), 100]:
                 assert torch.equal(run(x[:rows], isa), oracle[:rows]), (isa, rows)
             assert torch.equal(run(x[37:38], isa), oracle[37:38]), isa  # a row alone, from the middle
 

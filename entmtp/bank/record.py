@@ -27,11 +27,11 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     model, device = engine.model, engine.device
     n = len(continuation)
     seq = torch.tensor([prompt + continuation[:-1]], device=device)  # the last token is never a feature
-    # the prompt in one forward, as the engine reads it; then the continuation in blocks no larger
-    # than a step may verify, so each token gets the arithmetic it gets when decoded (`gguf.q8_max_rows`)
-    L, cache, block = len(prompt), engine.new_cache(), engine.max_rows or seq.shape[1]
+    # the prompt in one forward, as the engine reads it, then the continuation in one more: each row
+    # computes alone whatever the block (`gguf.q8_inputs`), so each token gets the bits it gets when decoded
+    L, cache = len(prompt), engine.new_cache()
     outs = [forward.forward(model, cache, seq[:, a:b], torch.arange(a, b, device=device)[None], None)
-            for a, b in [(0, L)] + [(i, min(i + block, seq.shape[1])) for i in range(L, seq.shape[1], block)]]
+            for a, b in ((0, L), (L, seq.shape[1])) if b > a]
     hidden, logits = torch.cat([h for h, _ in outs]), torch.cat([z for _, z in outs])
     feats = head_features(heads, hidden)[L - 1 :]  # (N, H): feature at the last committed token of each step
     logp = torch.log_softmax(logits[L - 1 :].float(), -1)  # (N, V)

@@ -21,7 +21,7 @@ ANSWERS_DIR = ROOT / "data" / "answers"
 
 def repo_store(model: str, arithmetic: str = "") -> "AnswerStore | None":
     """The repository's store for the default model; None for other models. `arithmetic` ("" for
-    float32, "+q8h/64" for Q8 inputs: `Runtime.arithmetic`) keys the answers apart, since greedy
+    float32, "+q8" for Q8 inputs: `Runtime.arithmetic`) keys the answers apart, since greedy
     answers part between the two after a few dozen tokens."""
     return AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", model + arithmetic) if model == DEFAULT_MODEL else None
 

@@ -47,8 +47,9 @@ _BLOCK = 32
 MAX_IN = 2048  # the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs (kMaxIn)
 
 GROUP = 16  # output columns a packed group (csrc/gguf_linear.cpp)
-# the kernels' arithmetic of a call (`q8` argument): float32 inputs; Q8 inputs for calls of up to
-# `q8_max_rows` rows (the base model); Q8 inputs whatever the rows (draft heads)
+# the kernels' arithmetic of a call (`q8` argument): float32 inputs; Q8 inputs for calls of up to 64
+# rows, float32 beyond (how the base model was served before 2026-12-02: `kernels` times it); Q8
+# inputs whatever the rows (the base model with `--kernels q8`, and the draft heads)
 F32, Q8_SMALL, Q8_ALWAYS = 0, 1, 2
 
 
@@ -79,7 +80,7 @@ class GGUFLinear(nn.Module):
     """A bias-free linear layer whose weight is kept as GGUF blocks (Q4_1 or Q8_0), repacked for
     the CPU kernels (`pack`); it shares the float32 Parameter it replaces, which
     `kernels.stock_kernels()` (the `hf` baselines) and training use. `q8`: inputs quantised to Q8
-    blocks (llama.cpp's arithmetic) for calls of up to `q8_max_rows` rows, their products summed by
+    blocks (llama.cpp's arithmetic) in every call, each row alone, their products summed by
     instruction-set path `isa` (`ext.isa()`: bit for bit the same in every path)."""
 
     def __init__(self, weight: nn.Parameter | None, kind: str, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -106,7 +107,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.stock() or x.dtype != torch.float32 or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight)
-        code, arithmetic = ISA_CODES[self.isa], Q8_SMALL if self.q8 else F32
+        code, arithmetic = ISA_CODES[self.isa], Q8_ALWAYS if self.q8 else F32
         if self.kind == "q4_1":
             return self._ext.q4_1_linear(x, self.qs, self.d, self.m, self.out_features, arithmetic, code)
         return self._ext.q8_0_linear(x, self.qs, self.d, self.out_features, arithmetic, code)
@@ -315,13 +316,11 @@ def attach(model: nn.Module, gguf_path: str | Path, q8: bool = False) -> dict[st
     return {"layers": count, "skipped": skipped, "error": None}
 
 
-def q8_max_rows(model: nn.Module) -> int | None:
-    """The most tokens one forward may verify with the arithmetic of a single token: where the Q4_1
-    layers take Q8 inputs, calls of more rows (prompts) compute in float32 (csrc/gguf_linear.cpp), so a
-    tree must stay within this many nodes; None where any size computes alike."""
-    if not any(isinstance(m, GGUFLinear) and m.q8 for m in model.modules()):
-        return None
-    return int(extension().q8_max_rows())
+def q8_inputs(model: nn.Module) -> bool:
+    """Whether the model's GGUF layers take Q8 inputs (`--kernels q8`). They do in every call, a
+    prompt's as a step's, each row computed alone, so any block of tokens (a prompt, a tree of any
+    size, a trace's hundreds of positions) gets the bits its tokens get one at a time."""
+    return any(isinstance(m, GGUFLinear) and m.q8 for m in model.modules())
 
 
 def is_attached(model: nn.Module) -> bool:

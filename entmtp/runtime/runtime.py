@@ -237,14 +237,15 @@ class Runtime:
     def served_differs(self) -> bool:
         """Whether the served arithmetic is not float32's (Q8 inputs, `--kernels q8`), so that stock
         transformers (`hf`) may decode other tokens than the model as served."""
-        return self.engine.max_rows is not None
+        return self.engine.q8
 
     @property
     def arithmetic(self) -> str:
-        """What keys stored greedy continuations apart by the served arithmetic: "+q8h/64" (Q8 inputs,
-        the LM head's included, for calls of up to 64 rows, `gguf.q8_max_rows`) or "" (float32).
-        ("+q8/64", the projections alone on Q8 inputs, is an earlier served model's.)"""
-        return "" if self.engine.max_rows is None else f"+q8h/{self.engine.max_rows}"
+        """What keys stored greedy continuations apart by the served arithmetic: "+q8" (Q8 inputs in
+        every call, the LM head's included, `gguf.q8_inputs`) or "" (float32). Earlier served models':
+        "+q8h/64" (Q8 inputs for calls of up to 64 rows, a longer prompt in float32), "+q8/64" (the
+        projections alone on Q8 inputs)."""
+        return "+q8" if self.engine.q8 else ""
 
     def engine_eos(self) -> int | None:
         return min(self.engine.eos) if self.engine.eos else None

@@ -15,7 +15,7 @@ import torch
 
 from entmtp.config import GenerationConfig
 from entmtp.model import forward, graphs, kv
-from entmtp.model.gguf import q8_max_rows
+from entmtp.model.gguf import q8_inputs
 from entmtp.spec import drafting, verify
 from entmtp.spec.heads import DraftHeads
 from entmtp.spec.policy import Policy, confidence, feature_value, path_value
@@ -101,7 +101,7 @@ class Engine:
         self.device = model.get_output_embeddings().weight.device
         self._warm: set[int] = set()
         self.warmup_ms: dict[int, float] = {}  # tree size -> ms its first forward shapes took (`warmup`)
-        self.max_rows = q8_max_rows(model)  # most nodes a tree may have (Q8 arithmetic), or None
+        self.q8 = q8_inputs(model)  # the served arithmetic: Q8 inputs (every call) or float32
         # CUDA graphs for tree verification (compiled: their layers through torch.compile), or None (eager)
         self.graphs = graphs.Graphs.of(model, cuda_graphs, compiled)
         # with them, the heads' chain and expansion replay as one graph per tree too
@@ -155,10 +155,6 @@ class Engine:
     def generate(self, prompt_ids: list[int], strategy: Strategy, gen: GenerationConfig = GenerationConfig()) -> Iterator[StepRecord]:
         """Decode from `prompt_ids`: one record per step until EOS or the budget. Checks eagerly."""
         self.validate_request(prompt_ids, gen)
-        big = max(t.n_nodes for t in strategy.trees)
-        if self.max_rows is not None and big > self.max_rows:
-            raise GenerationError(f"a tree of {big} nodes is more than the {self.max_rows} one step may verify with Q8 "
-                                  "inputs (larger blocks compute in float32); use --kernels packed")
         return self._decode(list(prompt_ids), strategy, gen)
 
     def validate_request(self, prompt_ids: list[int], gen: GenerationConfig) -> None:

@@ -48,7 +48,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;      // output columns a packed group
-constexpr int64_t kQ8MaxRows = 64;  // larger calls compute in float32 (a prompt, never a decode step)
+constexpr int64_t kQ8MaxRows = 64;  // kQ8Small: larger calls compute in float32
 
 inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }  // exact
 
@@ -534,7 +534,7 @@ at::Tensor linear(const at::Tensor& x_in, const Packed& P, int64_t q8, int64_t i
   const bool q41 = P.m != nullptr;
   TORCH_CHECK(q8 >= kF32 && q8 <= kQ8Always, "gguf linear: arithmetic ", q8, " is none of 0 (float32), 1 (Q8 up to ", kQ8MaxRows,
               " rows), 2 (Q8 always)");
-  if (q8 == kF32 || (q8 == kQ8Small && M > kQ8MaxRows)) {  // a prompt's block: float32
+  if (q8 == kF32 || (q8 == kQ8Small && M > kQ8MaxRows)) {  // float32
     TORCH_CHECK(P.K <= kMaxIn, "gguf linear: float32 arithmetic takes at most ", kMaxIn, " inputs");
     if (q41)
       linear_f32(xp, M, P.N, P.K, Q41Blocks{P}, yp);

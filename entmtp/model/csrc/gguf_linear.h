@@ -10,8 +10,8 @@
 constexpr int64_t kMaxIn = 2048;  // the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs
 constexpr int64_t kIsaScalar = 0, kIsaAvx2 = 1, kIsaVnni = 2;  // `isa` arguments: which path computes the Q8 products
 // `q8` arguments, the arithmetic of a call: float32 inputs; Q8 inputs for calls of up to
-// q8_max_rows() rows (the base model: a prompt computes in float32); Q8 inputs whatever the rows
-// (draft heads, whose traces read hundreds of positions in one call)
+// q8_max_rows() rows, float32 beyond (the base model's until 2026-12-02, still timed by `kernels`);
+// Q8 inputs whatever the rows (the served base model, prompts included, and the draft heads)
 constexpr int64_t kF32 = 0, kQ8Small = 1, kQ8Always = 2;
 
 // The 8 lanes summed in one fixed order.

@@ -284,7 +284,9 @@ struct Stack {
     TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "Stack: unsupported head layout");
   }
 
-  at::Tensor linear(const at::Tensor& x, const at::Tensor* t, int64_t N) const { return q4_1_linear(x, t[0], t[1], t[2], N, q8, isa); }
+  at::Tensor linear(const at::Tensor& x, const at::Tensor* t, int64_t N) const {
+    return q4_1_linear(x, t[0], t[1], t[2], N, q8 ? kQ8Always : kF32, isa);  // Q8: a prompt's rows too, each alone
+  }
 
   // x [Q, H] (embedded tokens), cos/sin [Q, D], the layers' key/value buffers [1, kv_heads, capacity,
   // D] holding `past` entries, an optional bool block mask [Q, Q] among the new tokens (else causal):

@@ -549,11 +549,19 @@ def block(text: str, name: str) -> str:
 
 
 def results_block(runs: list[dict], gpu: list[dict] = (), llamacpp: list[dict] = ()) -> str:
-    """README's results: per machine its latest run (tok/s of `ar`, every other method as × ar,
-    the engine's lossless verdict), then one line each for the latest GPU check and llama.cpp
-    comparison."""
+    """README's results: the latest run in full (tok/s of `ar`, every other method as × ar, the
+    engine's lossless verdict), each other machine's latest run in one line, then one line each for
+    the latest GPU check and llama.cpp comparison."""
     lines = []
-    for n in latest(runs):
+    keep = latest(runs)
+    for n in keep[:-1]:
+        run = runs[n - 1]
+        rows = _rows(run)
+        tau = ", ".join(f"{t} {rows[(t, TAU)]['speedup_vs_ar']:.2f}×" for t in _tasks(run) if (t, TAU) in rows)
+        lossless = "yes" if all(_engine_lossless(run, t) == "yes" for t in _tasks(run)) else "not on every task"
+        lines += [f"**{run['hardware']}**: run {n} of [BENCHMARKS.md](BENCHMARKS.md) ({run['date']}): EntMTPτ over `ar` "
+                  f"{tau}; lossless: {lossless}.", ""]
+    for n in keep[-1:]:
         run = runs[n - 1]
         rows = _rows(run)
         methods = list(dict.fromkeys(r["method"] for r in run["detail"]))

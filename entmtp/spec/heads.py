@@ -241,7 +241,7 @@ class DraftHeads(nn.Module):
         top-1 probabilities; None elsewhere."""
         if self._chain is None or feature.device.type != "cpu":
             return None
-        logits, probs, _ = self._chain.chain(feature.float(), path[0].tolist(), depth)
+        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth)
         return list(logits.unbind(0)), probs
 
     def _whole_blocks(self) -> bool:

@@ -602,7 +602,6 @@ int32_t peak_vnni(int64_t iters) {
 
 }  // namespace
 
-int64_t q8_max_rows() { return kQ8MaxRows; }
 
 double int8_peak(int64_t isa, int64_t iters) {
   TORCH_CHECK(isa == kIsaAvx2 || (isa == kIsaVnni && cpu_has_vnni()), "int8_peak: path ", isa, " is not timed here");

@@ -10,7 +10,7 @@
 constexpr int64_t kMaxIn = 2048;  // the float32 path's per-thread buffer holds 4 weight rows of at most this many inputs
 constexpr int64_t kIsaScalar = 0, kIsaAvx2 = 1, kIsaVnni = 2;  // `isa` arguments: which path computes the Q8 products
 // `q8` arguments, the arithmetic of a call: float32 inputs; Q8 inputs for calls of up to
-// q8_max_rows() rows, float32 beyond (the base model's until 2026-12-02, still timed by `kernels`);
+// 64 rows (kQ8MaxRows), float32 beyond (the base model's until 2026-12-02, still timed by `kernels`);
 // Q8 inputs whatever the rows (the served base model, prompts included, and the draft heads)
 constexpr int64_t kF32 = 0, kQ8Small = 1, kQ8Always = 2;
 
@@ -25,6 +25,5 @@ inline float hsum(__m256 v) {
 
 at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, int64_t q8, int64_t isa);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int64_t q8, int64_t isa);
-int64_t q8_max_rows();
 std::vector<std::string> isas();
 double int8_peak(int64_t isa, int64_t iters);

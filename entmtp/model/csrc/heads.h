@@ -30,8 +30,8 @@ struct HeadChain {
             at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa);
 
   // From `path` (the root and the chain's first tokens) on to `depth`: per head, its draft
-  // logits [n, K], top-1 probability [n] and top-1 token id [n].
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth) const;
+  // logits [n, K] and top-1 probability [n].
+  std::tuple<at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth) const;
 
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);

@@ -348,7 +348,6 @@ struct Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in packed GGUF Q4_1 blocks (x, q, d, m, out_features, q8, isa)");
   mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in packed GGUF Q8_0 blocks (x, q, d, out_features, q8, isa)");
-  mod.def("q8_max_rows", &q8_max_rows, "calls of more rows compute in float32 even with q8");
   mod.def("isas", &isas, "the instruction-set paths this CPU can run: scalar, avx2, avx512_vnni");
   mod.def("int8_peak", &int8_peak, "8-bit multiply-adds a second of a path on all threads, from registers (isa, iterations)");
   mod.def("rms_norm", &rms_norm, "LlamaRMSNorm, one row at a time");
@@ -361,5 +360,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
-      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, token ids)");
+      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs)");
 }

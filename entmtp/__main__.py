@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Hydra heads: mlp, or prefix-mlp (Hydra++: a decoder layer over the base hidden states first)")
     tr.add_argument("--draft-vocab", type=positive_int, default=t.draft_vocab, help="K most frequent answer tokens")
     tr.add_argument("--hard-targets", action="store_true", help="train on the teacher's argmax, not its distribution")
+    tr.add_argument("--feature-dropout", type=float, default=t.feature_dropout,
+                    help="while training, zero each element of the base hidden state the heads read with this probability")
     tr.add_argument("--self-prompts", type=task_counts, default=t.self_prompts, metavar="TASK=N,...",
                     help="prompts per task answered by the base model (default: %(default)s)")
     tr.add_argument("--ref-prompts", type=task_counts, default=t.ref_prompts, metavar="TASK=N,...",
@@ -301,6 +303,8 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if not 0.0 <= args.feature_dropout < 1.0:
+        raise UsageError(f"--feature-dropout must lie in [0, 1), got {args.feature_dropout}")
     if not args.self_prompts and not args.ref_prompts:
         raise UsageError("--self-prompts and --ref-prompts are both empty: no corpus")
     if args.new_vocab and not args.init:
@@ -309,7 +313,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
         seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
-        new_vocab=args.new_vocab,
+        new_vocab=args.new_vocab, feature_dropout=args.feature_dropout,
     )
     kinds = _kinds(args.kind)
     if args.arch != "mlp" and kinds != ["hydra"]:

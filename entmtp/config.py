@@ -156,6 +156,7 @@ class TrainConfig:
     warmup: int = 30
     draft_vocab: int = 8192
     soft_targets: bool = True  # teacher distribution (Hydra++) rather than its argmax
+    feature_dropout: float = 0.0  # training only: each base hidden-state element zeroed with this probability (rest rescaled)
     teacher_topk: int = 32  # teacher probabilities kept per position (soft targets)
     temperature: float = 1.0
     seed: int = 0

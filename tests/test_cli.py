@@ -133,13 +133,15 @@ def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
         read_floor(saved)
 
 
-def test_new_vocab_without_init_is_one_line_and_exit_2(capsys, tiny_dir):
+@pytest.mark.parametrize("args, needle", [(["--new-vocab"], "--new-vocab"), (["--feature-dropout", "1"], "--feature-dropout"),
+                                          (["--feature-dropout", "-0.1"], "--feature-dropout")])
+def test_bad_training_flags_are_one_line_and_exit_2(capsys, tiny_dir, args, needle):
     """`train-heads --new-vocab` re-chooses the vocabulary of --init heads: alone it is refused
-    before any model loads."""
-    code, out, err = cli(capsys, "train-heads", "--new-vocab", "--model", str(tiny_dir))
+    before any model loads; so is a feature dropout outside [0, 1)."""
+    code, out, err = cli(capsys, "train-heads", *args, "--model", str(tiny_dir))
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("entmtp: error:") and "--new-vocab" in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("entmtp: error:") and needle in lines[0], err
 
 
 def test_reports_name_the_cpus_vector_features():

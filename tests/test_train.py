@@ -102,6 +102,26 @@ def test_resume_continues_identically(tiny, flat, tmp_path):
         train_heads(_bound(tiny, "hydra", vocab), f, replace(CFG, lr=1e-4), tmp_path / "b.pt", progress=False)
 
 
+def test_feature_dropout_trains_resumably_and_only_while_training(tiny, flat, tmp_path):
+    """The dropout mask comes from the step's own generator: a resumed run equals a straight one;
+    with dropout 0 the loss is the plain one, with it the same generator gives the same loss."""
+    f, vocab = flat
+    heads, t = _bound(tiny, "hydra", vocab), f.anchors[:128]
+    plain = float(head_losses(heads, f, t, True)[0])
+    assert float(head_losses(heads, f, t, True, None, 0.0, torch.Generator().manual_seed(1))[0]) == plain
+    dropped = [float(head_losses(heads, f, t, True, None, 0.5, torch.Generator().manual_seed(s))[0]) for s in (1, 1, 2)]
+    assert dropped[0] == dropped[1] != dropped[2] and dropped[0] != plain
+    cfg = replace(CFG, feature_dropout=0.3)
+    straight = _bound(tiny, "hydra", vocab)
+    train_heads(straight, f, cfg, tmp_path / "a.pt", progress=False)
+    train_heads(_bound(tiny, "hydra", vocab), f, cfg, tmp_path / "b.pt", progress=False, until=20)
+    resumed = _bound(tiny, "hydra", vocab, seed=123)
+    train_heads(resumed, f, cfg, tmp_path / "b.pt", progress=False)
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert not straight.training  # inference never drops anything
+
+
 @pytest.mark.parametrize("task", data.TASKS)
 def test_default_corpus_never_reads_evaluation_prompts(task):
     """The default plan's prompts (train corpus and held-out) are disjoint from the eval split by text."""

@@ -386,14 +386,20 @@ def _deepen(heads: DraftHeads, num_layers: int) -> None:
 
 
 def head_losses(heads: DraftHeads, flat: Flat, t: torch.Tensor, soft: bool,
-                feature: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
+                feature: torch.Tensor | None = None, dropout: float = 0.0,
+                g: torch.Generator | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
     """Summed loss of all heads at anchors t (B,), and per head its loss and top-1 agreement.
 
     Head i at anchor t reads the feature there (hidden[t], or Hydra++'s prefix output given as
     `feature` (B, H)) and tokens[t..t+i]; its teacher is the base distribution at t+1+i (top-k
-    over the draft vocabulary, soft) or that distribution's argmax (hard).
+    over the draft vocabulary, soft) or that distribution's argmax (hard). `dropout`: each element
+    of the feature is zeroed with that probability (the rest scaled by 1 / (1 - dropout)), the mask
+    drawn from `g` so that a resumed run draws the same.
     """
     feature = flat.hidden[t] if feature is None else feature  # (B, H)
+    if dropout > 0:
+        keep = torch.rand(feature.shape, generator=g) >= dropout
+        feature = feature * keep.to(feature.device, feature.dtype) / (1.0 - dropout)
     total, losses, accs = feature.new_zeros(()), [], []
     for i in range(heads.num_heads):
         ok = flat.remaining[t] >= i + 1  # the target position t+1+i lies inside the answer
@@ -469,7 +475,7 @@ def train_heads(
             t, feature = flat.anchors[torch.randint(len(flat.anchors), (cfg.batch_tokens,), generator=g)], None
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
-        loss, losses, accs = head_losses(heads, flat, t, cfg.soft_targets, feature)
+        loss, losses, accs = head_losses(heads, flat, t, cfg.soft_targets, feature, cfg.feature_dropout, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -125,6 +125,94 @@ TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# a second set, composed after the first (its seeded order and splits stay as they were)
+MORE_TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "advice": (
+        ("How do people usually handle {x}?", "I want to start {x}. Where do I begin?", "Is there a smart way to approach {x}?",
+         "What should a beginner know about {x}?", "Can you give me three tips for {x}?"),
+        ("saving money for a holiday", "waking up early", "making friends in a new city", "keeping houseplants alive",
+         "negotiating the price of a car", "writing a wedding speech", "staying focused while working from home",
+         "getting back into running after an injury", "teaching a child to ride a bike", "handling a difficult coworker",
+         "preparing for a long hike", "eating healthy on a budget", "learning to draw", "going back to school at forty",
+         "asking for feedback", "saying no without feeling guilty", "hosting a dinner party", "choosing a good book for a teenager",
+         "keeping a journal", "fixing a bad sleep schedule", "taking notes in class", "planning a surprise party",
+         "decluttering a garage", "choosing a first pet", "staying calm before an interview"),
+    ),
+    "explanation": (
+        ("What's the difference between {x}?", "In plain English, what does {x} mean?", "Help me understand {x}.",
+         "Teach me the basics of {x}.", "Why do people talk so much about {x}?"),
+        ("a virus and bacteria", "weather and climate", "inflation", "a black hole", "a budget and a forecast",
+         "how vaccines train the body", "interest rates", "why the sky is blue", "how bees make honey", "the moon's phases",
+         "how a bill becomes a law", "a hybrid car", "renewable energy", "what a calorie is", "the metric system",
+         "how airplanes stay in the air", "a 401(k) plan", "nuclear energy", "the food chain", "how memory works",
+         "why leaves change color", "the speed of light", "a heat pump", "how a camera works", "the ozone layer"),
+    ),
+    "creative": (
+        ("Write a four-line poem about {x}.", "Tell me a bedtime story about {x}.", "Write a funny short story about {x}.",
+         "Write a short diary entry from the point of view of {x}.", "Write a rhyming verse about {x}."),
+        ("a cat who runs a cafe", "a river in winter", "the smell of fresh bread", "a kite on a windy day",
+         "a lighthouse keeper", "a dragon who loves books", "an empty playground", "the first snow of the year",
+         "a street musician", "a tiny house in the woods", "a shy giraffe", "a spaceship made of cardboard",
+         "a lazy Sunday morning", "a letter that was never sent", "a sunflower field", "an old wooden bridge",
+         "a squirrel planning a heist", "the sound of rain on a tin roof", "a night market", "a child's first kite",
+         "an owl who cannot sleep", "a family road trip", "a kind stranger", "a clock tower", "a rainy afternoon"),
+    ),
+    "howto": (
+        ("I've never done this before: how do I {x}?", "What do I need to {x}?", "Quick question: how can I {x}?",
+         "Could you explain, step by step, how to {x}?", "What's a good way to {x}?"),
+        ("boil an egg", "make a budget spreadsheet", "tie a tie", "remove a coffee stain", "set up a home Wi-Fi network",
+         "write a short speech", "plan a picnic", "start a vegetable garden", "make iced tea", "patch a bike tire",
+         "clean a cast iron pan", "pack a suitcase efficiently", "make guacamole", "write a haiku", "teach a dog to sit",
+         "make a simple website", "iron a shirt", "defrost a freezer", "make lemonade", "start a book club",
+         "train for a marathon", "study for a math test", "keep cut flowers fresh", "make a photo album", "roast vegetables"),
+    ),
+    "rewriting": (
+        ("Make this sound more professional: {x}", "Rewrite this so a child can understand it: {x}", "Correct the spelling and grammar: {x}",
+         "Make this more concise: {x}", "Rewrite this with a positive tone: {x}"),
+        ("me and him goes to the store every day", "The deadline cannot be moved under any circumstances.",
+         "I think maybe we could possibly try to meet sometime next week if that works.", "your package is late becuase of the weather",
+         "We was very happy with the hotel.", "Nobody told me the meeting was cancelled.", "The software is not working and I am angry.",
+         "Please refrain from eating in the laboratory.", "It is what it is, we lost the game.", "Can u send me the report asap",
+         "The new policy will affect all employees starting next month.", "She don't want to come to the party.",
+         "I never got a reply to my last three emails.", "Parking is prohibited in front of the building.",
+         "The food was cold and the waiter was rude.", "Thank you for your patience during the renovation.",
+         "We are unable to process your request at this time.", "The kids was playing outside all day.",
+         "Sorry for the late reply, I was busy.", "Our sales went down a lot this quarter."),
+    ),
+    "lists": (
+        ("Can you list some {x}?", "Brainstorm a few {x}.", "Give me seven {x}.", "I need some {x}. Any ideas?",
+         "Write a bullet list of {x}."),
+        ("board games for two players", "healthy snacks for work", "ways to make new friends", "rainy day activities",
+         "classic novels everyone should read", "gift ideas for a teacher", "ways to reduce plastic waste",
+         "things to pack for a beach holiday", "easy houseplants", "team names for a trivia night", "quick stretches for the office",
+         "fun science experiments for kids", "ways to say thank you", "budget travel tips", "topics for a school essay",
+         "things to do on a lazy weekend", "ideas for a small garden", "good habits to start in the morning",
+         "interview questions to prepare for", "ways to learn new words", "dinner ideas with chicken", "summer camp activities",
+         "things to check before a long drive", "ideas for a themed party", "ways to cheer up a friend"),
+    ),
+    "smalltalk": (
+        ("{x}",),
+        ("Good morning!", "I'm so tired today.", "What's your favorite season?", "I just started a new job!",
+         "Do you have any hobbies?", "It's my birthday today!", "Tell me a fun fact about the ocean.", "I'm bored.",
+         "What do you like to do on weekends?", "Can you recommend a song?", "I finally cleaned my room!",
+         "Do you like coffee or tea better?", "Tell me a short joke about computers.", "I'm nervous about tomorrow.",
+         "What's a good name for a goldfish?", "I'm going on vacation next week!", "Tell me a fun fact about octopuses.",
+         "What's your favorite color?", "I made soup for the first time!", "Any plans for the weekend?",
+         "Tell me something interesting.", "I lost my keys again.", "How are you today?", "What's a good book to read?"),
+    ),
+    "messages": (
+        ("Can you write a message to {x}?", "Write a friendly email to {x}.", "Write a short, polite text to {x}.",
+         "Help me word a message to {x}.", "Compose a brief note to {x}."),
+        ("my landlord about a broken heater", "a coworker thanking her for covering my shift", "my son's teacher asking for a meeting",
+         "a friend inviting him to my birthday", "a customer thanking them for their order", "my team celebrating a finished project",
+         "a recruiter declining a job offer", "my neighbor thanking him for watering my plants", "a restaurant booking a table for six",
+         "my grandmother wishing her a happy birthday", "a club asking how to join", "my boss explaining I'm sick today",
+         "a friend apologizing for missing her party", "the gym cancelling my membership", "a new client introducing myself",
+         "my classmates about our group project", "a plumber asking for a quote", "my aunt thanking her for the gift",
+         "a colleague congratulating him on his promotion", "the bank asking about a strange charge"),
+    ),
+}
+
 def _norm(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())
 
@@ -161,11 +249,18 @@ def eval_ngrams() -> set[tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=1)
 def composed() -> tuple[tuple[str, str], ...]:
-    """(kind, instruction) for every template and subject, seeded order, evaluation overlaps dropped."""
-    rows = [(kind, t.format(x=x)) for kind, (templates, subjects) in TEMPLATES.items() for t in templates for x in subjects]
-    random.Random(SEED).shuffle(rows)
-    banned = eval_ngrams()
-    return tuple(r for r in rows if not overlaps(r[1], banned))
+    """(kind, instruction) for every template and subject, evaluation overlaps dropped: the first set
+    in its seeded order, then the second (`MORE_TEMPLATES`) in its own, so that adding the second kept
+    every earlier instruction's place and split."""
+    banned, out, seen = eval_ngrams(), [], set()
+    for seed, templates in ((SEED, TEMPLATES), (SEED + 1, MORE_TEMPLATES)):
+        rows = [(kind, t.format(x=x)) for kind, (ts, subjects) in templates.items() for t in ts for x in subjects]
+        random.Random(seed).shuffle(rows)
+        for r in rows:
+            if r[1] not in seen and not overlaps(r[1], banned):
+                seen.add(r[1])
+                out.append(r)
+    return tuple(out)
 
 
 def prompts(split: str) -> list[str]:

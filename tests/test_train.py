@@ -88,38 +88,32 @@ def test_training_reduces_loss(tiny, flat, kind, factor, tmp_path):
     assert after < factor * before
 
 
-def test_resume_continues_identically(tiny, flat, tmp_path):
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, feature_dropout=0.3)], ids=["plain", "feature-dropout"])
+def test_resume_continues_identically(tiny, flat, tmp_path, cfg):
+    """A resumed run equals a straight one (with feature dropout too: its mask comes from the step's
+    own generator), and training leaves the heads in eval mode."""
     f, vocab = flat
     straight = _bound(tiny, "hydra", vocab)
-    train_heads(straight, f, CFG, tmp_path / "a.pt", progress=False)
+    train_heads(straight, f, cfg, tmp_path / "a.pt", progress=False)
     interrupted = _bound(tiny, "hydra", vocab)
-    train_heads(interrupted, f, CFG, tmp_path / "b.pt", progress=False, until=20)
+    train_heads(interrupted, f, cfg, tmp_path / "b.pt", progress=False, until=20)
     resumed = _bound(tiny, "hydra", vocab, seed=123)  # fresh weights: everything comes from the checkpoint
-    train_heads(resumed, f, CFG, tmp_path / "b.pt", progress=False)
+    train_heads(resumed, f, cfg, tmp_path / "b.pt", progress=False)
     for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k
+    assert not straight.training
     with pytest.raises(TrainError, match="another training config"):
-        train_heads(_bound(tiny, "hydra", vocab), f, replace(CFG, lr=1e-4), tmp_path / "b.pt", progress=False)
+        train_heads(_bound(tiny, "hydra", vocab), f, replace(cfg, lr=1e-4), tmp_path / "b.pt", progress=False)
 
 
-def test_feature_dropout_trains_resumably_and_only_while_training(tiny, flat, tmp_path):
-    """The dropout mask comes from the step's own generator: a resumed run equals a straight one;
-    with dropout 0 the loss is the plain one, with it the same generator gives the same loss."""
+def test_feature_dropout_is_drawn_from_the_generator_given(tiny, flat):
+    """With dropout 0 the loss is the plain one; with it, the same generator gives the same loss."""
     f, vocab = flat
     heads, t = _bound(tiny, "hydra", vocab), f.anchors[:128]
     plain = float(head_losses(heads, f, t, True)[0].detach())
     assert float(head_losses(heads, f, t, True, None, 0.0, torch.Generator().manual_seed(1))[0].detach()) == plain
     dropped = [float(head_losses(heads, f, t, True, None, 0.5, torch.Generator().manual_seed(s))[0].detach()) for s in (1, 1, 2)]
     assert dropped[0] == dropped[1] != dropped[2] and dropped[0] != plain
-    cfg = replace(CFG, feature_dropout=0.3)
-    straight = _bound(tiny, "hydra", vocab)
-    train_heads(straight, f, cfg, tmp_path / "a.pt", progress=False)
-    train_heads(_bound(tiny, "hydra", vocab), f, cfg, tmp_path / "b.pt", progress=False, until=20)
-    resumed = _bound(tiny, "hydra", vocab, seed=123)
-    train_heads(resumed, f, cfg, tmp_path / "b.pt", progress=False)
-    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), k
-    assert not straight.training  # inference never drops anything
 
 
 @pytest.mark.parametrize("task", data.TASKS)

@@ -252,14 +252,11 @@ def composed() -> tuple[tuple[str, str], ...]:
     """(kind, instruction) for every template and subject, evaluation overlaps dropped: the first set
     in its seeded order, then the second (`MORE_TEMPLATES`) in its own, so that adding the second kept
     every earlier instruction's place and split."""
-    banned, out, seen = eval_ngrams(), [], set()
+    banned, out = eval_ngrams(), []
     for seed, templates in ((SEED, TEMPLATES), (SEED + 1, MORE_TEMPLATES)):
         rows = [(kind, t.format(x=x)) for kind, (ts, subjects) in templates.items() for t in ts for x in subjects]
         random.Random(seed).shuffle(rows)
-        for r in rows:
-            if r[1] not in seen and not overlaps(r[1], banned):
-                seen.add(r[1])
-                out.append(r)
+        out += [r for r in rows if not overlaps(r[1], banned)]
     return tuple(out)
 
 

@@ -212,7 +212,6 @@ class Service:
             name, task, context = self._queue.get()
             try:
                 context.run(self.fit, name, [task], "auto")
-                self.fits.pop((name, task), None)
             except Exception as e:  # the Bank tab shows it; races keep the shipped fit
                 self.fits[(name, task)] = f"failed: {e}"
 
@@ -220,7 +219,11 @@ class Service:
         """Fit the tasks' banks to this machine (mode "refit": measure again) through `fit_banks`,
         and keep what it measured for the page."""
         name = self.models.check(model)
-        fingerprint, fits = fit_banks(self.key, name, tuple(tasks), mode)
+        try:
+            fingerprint, fits = fit_banks(self.key, name, tuple(tasks), mode)
+        finally:  # the status line's "measuring" ends with the fit (a failure is the caller's to show)
+            for task in tasks:
+                self.fits.pop((name, task), None)
         if gpu.zero_gpu():
             gpu.remember(fingerprint)
         self.models.get(name).adopt_fits(fits)

@@ -8,7 +8,8 @@ What it keeps of the real package (spaces 0.51, `spaces/zero/wrappers.py`):
 - the call's arguments, return value and every yield cross a process boundary, pickled: here
   they are pickled too, and a tensor among them is refused (a CUDA tensor in the page's process);
 - a generator runs one step at a time in the GPU context, and closing the caller's generator (a
-  Stop) closes it (logged: {"closed": name, "early": true});
+  Stop) closes it (logged: {"closed": name, "early": true}); a plain call's end is logged too
+  ({"returned": name});
 - `config.Config.zero_gpu` is True.
 
 What it adds: `guard(module, *names)` makes those functions (the model's forwards) fail outside
@@ -139,4 +140,5 @@ def GPU(task=None, *, duration=None, size=None, **kwargs):
                 return _cross(step(task, *args, **kwargs))
             finally:
                 _active[0] -= 1
+                _log({"returned": task.__name__})
     return run

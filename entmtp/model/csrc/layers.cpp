@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -104,101 +105,172 @@ struct View {
   inline const float* at(int64_t b, int64_t h, int64_t i) const { return p + b * sb + h * sh + i * si; }
 };
 
-// acc[0..8V) = sum over the n visible keys, in order, of weight[r] * v[index[r]], in registers
-// (the same multiply-adds, in the same order, as the general loop in `attend`).
-template <int V>
-inline void weigh(const float* weight, const int64_t* index, int64_t n, const View& v, int64_t b, int64_t g, float* acc) {
+// acc[0..8V) += sum over keys r in [r0, r1), in order, of weight[r] * v[key(r)], in registers,
+// and *total += the weights in the same order (the two chains run side by side). Resuming from
+// acc and *total where the previous range stopped gives the bits of one pass over all keys.
+template <int V, class Key>
+inline void weigh(const float* weight, int64_t r0, int64_t r1, Key key, float* acc, float* total) {
   __m256 a[V];
-  for (int d = 0; d < V; ++d) a[d] = _mm256_setzero_ps();
-  for (int64_t r = 0; r < n; ++r) {
+  for (int d = 0; d < V; ++d) a[d] = _mm256_load_ps(acc + 8 * d);
+  float sum = *total;
+  for (int64_t r = r0; r < r1; ++r) {
     const __m256 e = _mm256_set1_ps(weight[r]);
-    const float* vv = v.at(b, g, index[r]);
+    sum += weight[r];
+    const float* vv = key(r);
     for (int d = 0; d < V; ++d) a[d] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + 8 * d), a[d]);
   }
   for (int d = 0; d < V; ++d) _mm256_store_ps(acc + 8 * d, a[d]);
+  *total = sum;
+}
+
+// The same for any D (a multiple of 8, at most 256), the accumulator in memory.
+template <class Key>
+inline void weigh_any(const float* weight, int64_t r0, int64_t r1, Key key, int64_t D, float* acc, float* total) {
+  float sum = *total;
+  for (int64_t r = r0; r < r1; ++r) {
+    const __m256 e = _mm256_set1_ps(weight[r]);
+    sum += weight[r];
+    const float* vv = key(r);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_store_ps(acc + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_load_ps(acc + d)));
+  }
+  *total = sum;
+}
+
+// hsum of each of a[0..8), as one vector [hsum(a[0]), ..., hsum(a[7])]: the same additions as
+// `hsum` (lane i + lane i+4, then pairs 0+2 and 1+3, then the two halves), eight at a time.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+  const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+  const __m256 t45 = _mm256_add_ps(_mm256_permute2f128_ps(a[4], a[5], 0x20), _mm256_permute2f128_ps(a[4], a[5], 0x31));
+  const __m256 t67 = _mm256_add_ps(_mm256_permute2f128_ps(a[6], a[7], 0x20), _mm256_permute2f128_ps(a[6], a[7], 0x31));
+  // per 128-bit half: [t0 + t2, t1 + t3] of each of two accumulators
+  const __m256 u0213 = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u4657 = _mm256_add_ps(_mm256_shuffle_ps(t45, t67, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t45, t67, _MM_SHUFFLE(3, 2, 3, 2)));
+  // [r0, r2, r4, r6 | r1, r3, r5, r7]
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0213, u4657, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(u0213, u4657, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// score[r] = (q . k[key(r)]) * scale for r in [r0, r1): each an 8-lane accumulator over D in
+// order then `hsum`, eight keys at a time (eight independent accumulators hide the FMA latency;
+// `hsum8` adds as `hsum` does), so a score does not depend on its neighbours.
+template <class Key>
+inline void scores(const float* qv, int64_t r0, int64_t r1, Key key, int64_t D, float scale, float* score) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t u = r0;
+  for (; u + 8 <= r1; u += 8) {
+    const float* kr[8];
+    for (int c = 0; c < 8; ++c) kr[c] = key(u + c);
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(qv + d);
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[c] + d), a[c]);
+    }
+    _mm256_storeu_ps(score + u, _mm256_mul_ps(hsum8(a), sc));
+  }
+  for (; u < r1; ++u) score[u] = dot(qv, key(u), D) * scale;
 }
 
 // out [B, Q, heads, D]: softmax(q . k * scale) v over the visible keys, each (b, h, i) alone.
+//
+// Each query's arithmetic is that of a query computed alone: its visible keys in cache order, a
+// score per key (`scores`), the largest score, exp of each score minus it, then one pass in key
+// order summing the weights and the weighted values (`weigh`), and the division. What is shared
+// is memory traffic: a task is a (batch, key/value head, block of up to R rows), and the keys
+// every query of the task sees (the cache before the block, for a tree or a causal block) are
+// walked in chunks of CHUNK keys, each chunk's keys and values read from L2 once and used by
+// every query of the task (the `groups` query heads of that key/value head times the rows) while
+// they sit in L1. Keys only some queries see (the block's own) follow, query by query.
 void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, int64_t Q, int64_t L, int64_t D,
             float scale, const Visibility& vis, float* out) {
-  // One task a (batch, key/value head, query): the `groups` query heads that read that key/value
-  // head share its list of visible keys (unless the mask differs by head); each head's result is
-  // computed exactly as if alone.
-  const int64_t groups = heads / kv_heads, total = B * kv_heads * Q;
-  const bool shared = vis.mask == nullptr || vis.sh == 0;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D * groups));
-  at::parallel_for(0, total, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(L + 8);
-    std::vector<int64_t> index(L);
-    int64_t index_n = 0;
-    alignas(32) float acc[256];
-    for (int64_t t = t0; t < t1; ++t)
-    for (int64_t member = 0; member < groups; ++member) {
-      const int64_t b = t / (kv_heads * Q), g = t / Q % kv_heads, i = t % Q, h = g * groups + member;
-      const float* qv = q.at(b, h, i);
-      int64_t n = 0;
-      if (member == 0 || !shared) {
-        // keys before the mask's columns are all visible (a causal query sees up to its own position)
-        const int64_t open = vis.mask == nullptr ? L - Q + i + 1 : std::max<int64_t>(0, L - vis.Lm);
-        for (int64_t j = 0; j < open; ++j) index[n++] = j;
-        if (vis.mask != nullptr)
-          for (int64_t j = open; j < L; ++j)
-            if (vis(b, h, i, j, Q, L)) index[n++] = j;
-        index_n = n;
-      }
-      n = index_n;
-      // four keys at a time: four independent accumulators hide the FMA latency; each key's sum
-      // runs in the same order as `dot`, so a score does not depend on its neighbours
-      int64_t u = 0;
-      for (; u + 4 <= n; u += 4) {
-        const float *k0 = k.at(b, g, index[u]), *k1 = k.at(b, g, index[u + 1]), *k2 = k.at(b, g, index[u + 2]),
-                    *k3 = k.at(b, g, index[u + 3]);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qd = _mm256_loadu_ps(qv + d);
-          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
-          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
-          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+  constexpr int64_t CHUNK = 32;  // 32 keys of D = 64: 8 KB of keys, 8 KB of values
+  const int64_t groups = heads / kv_heads;
+  const int64_t R = Q < 4 ? 1 : Q < 16 ? 2 : 4;  // rows a task: enough tasks for the threads
+  const int64_t blocks = (Q + R - 1) / R, total = B * kv_heads * blocks;
+  const int64_t M = R * groups;  // queries a task
+  at::parallel_for(0, total, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(M * (L + 8));
+    std::vector<int64_t> extra(M * L);  // per query: its visible keys after the shared ones
+    std::vector<int64_t> n_extra(M), n_all(M);
+    std::vector<const float*> qp(M);
+    std::vector<float> top(M), sum(M);
+    std::vector<float> acc_store(M * 256 + 8);
+    float* acc = acc_store.data() + (8 - reinterpret_cast<uintptr_t>(acc_store.data()) / sizeof(float) % 8) % 8;  // 32-byte aligned
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (kv_heads * blocks), g = t / blocks % kv_heads, i0 = t % blocks * R, i1 = std::min(Q, i0 + R);
+      const int64_t m_n = (i1 - i0) * groups;
+      // keys every query of the task sees: before the mask's columns (all visible), or, causal,
+      // up to the first row's own position
+      const int64_t shared = vis.mask == nullptr ? L - Q + i0 + 1 : std::max<int64_t>(0, L - vis.Lm);
+      for (int64_t m = 0; m < m_n; ++m) {
+        const int64_t i = i0 + m / groups, h = g * groups + m % groups;
+        qp[m] = q.at(b, h, i);
+        int64_t e = 0;
+        int64_t* ex = extra.data() + m * L;
+        if (vis.mask == nullptr) {
+          for (int64_t j = shared; j < L - Q + i + 1; ++j) ex[e++] = j;
+        } else {
+          for (int64_t j = shared; j < L; ++j)
+            if (vis(b, h, i, j, Q, L)) ex[e++] = j;
         }
-        score[u] = hsum(a0) * scale;
-        score[u + 1] = hsum(a1) * scale;
-        score[u + 2] = hsum(a2) * scale;
-        score[u + 3] = hsum(a3) * scale;
+        n_extra[m] = e;
+        n_all[m] = shared + e;
       }
-      for (; u < n; ++u) score[u] = dot(qv, k.at(b, g, index[u]), D) * scale;
-      // the largest score, 8 lanes at a time (a maximum is exact: any order gives the same value)
-      __m256 tv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      for (u = 0; u + 8 <= n; u += 8) tv = _mm256_max_ps(tv, _mm256_loadu_ps(score.data() + u));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, tv);
-      float top = lanes[0];
-      for (int l = 1; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
-      for (; u < n; ++u) top = score[u] > top ? score[u] : top;
-      float* o = out + ((b * Q + i) * heads + h) * D;
-      if (n == 0) {  // a query that sees nothing (padding): zeros
-        std::fill(o, o + D, 0.0f);
-        continue;
+      const float* kg = k.at(b, g, 0);
+      const float* vg = v.at(b, g, 0);
+      const int64_t ks = k.si, vs = v.si;
+      auto key_at = [kg, ks](int64_t j) { return kg + j * ks; };
+      auto value_at = [vg, vs](int64_t j) { return vg + j * vs; };
+      for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
+        const int64_t c1 = std::min(shared, c0 + CHUNK);
+        for (int64_t m = 0; m < m_n; ++m) scores(qp[m], c0, c1, key_at, D, scale, score.data() + m * (L + 8));
       }
-      for (int64_t r = n; r < n + 8; ++r) score[r] = top;
-      const __m256 mv = _mm256_set1_ps(top);
-      for (int64_t r = 0; r < n; r += 8)
-        _mm256_storeu_ps(score.data() + r, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + r), mv)));
-      float sum = 0.0f;
-      for (int64_t r = 0; r < n; ++r) sum += score[r];
-      if (D == 64) {
-        weigh<8>(score.data(), index.data(), n, v, b, g, acc);
-      } else {
-        for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
-        for (int64_t r = 0; r < n; ++r) {
-          const __m256 e = _mm256_set1_ps(score[r]);
-          const float* vv = v.at(b, g, index[r]);
-          for (int64_t d = 0; d < D; d += 8)
-            _mm256_store_ps(acc + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_load_ps(acc + d)));
+      for (int64_t m = 0; m < m_n; ++m) {
+        const int64_t* ex = extra.data() + m * L;
+        float* sm = score.data() + m * (L + 8);
+        scores(qp[m], shared, n_all[m], [ex, kg, ks, shared](int64_t r) { return kg + ex[r - shared] * ks; }, D, scale, sm);
+        const int64_t n = n_all[m];
+        // the largest score, 8 lanes at a time (a maximum is exact: any order gives the same value)
+        __m256 tv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        int64_t u = 0;
+        for (; u + 8 <= n; u += 8) tv = _mm256_max_ps(tv, _mm256_loadu_ps(sm + u));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, tv);
+        float mx = lanes[0];
+        for (int l = 1; l < 8; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+        for (; u < n; ++u) mx = sm[u] > mx ? sm[u] : mx;
+        top[m] = mx;
+        for (int64_t r = n; r < n + 8; ++r) sm[r] = mx;
+        const __m256 mv = _mm256_set1_ps(mx);
+        for (int64_t r = 0; r < n; r += 8) _mm256_storeu_ps(sm + r, exp8(_mm256_sub_ps(_mm256_loadu_ps(sm + r), mv)));
+        sum[m] = 0.0f;
+        std::fill(acc + m * 256, acc + m * 256 + D, 0.0f);
+      }
+      for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
+        const int64_t c1 = std::min(shared, c0 + CHUNK);
+        for (int64_t m = 0; m < m_n; ++m) {
+          const float* sm = score.data() + m * (L + 8);
+          if (D == 64) weigh<8>(sm, c0, c1, value_at, acc + m * 256, &sum[m]);
+          else weigh_any(sm, c0, c1, value_at, D, acc + m * 256, &sum[m]);
         }
       }
-      const __m256 sv = _mm256_set1_ps(sum);
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_load_ps(acc + d), sv));
+      for (int64_t m = 0; m < m_n; ++m) {
+        const int64_t i = i0 + m / groups, h = g * groups + m % groups;
+        const int64_t* ex = extra.data() + m * L;
+        const float* sm = score.data() + m * (L + 8);
+        auto extra_value = [ex, vg, vs, shared](int64_t r) { return vg + ex[r - shared] * vs; };
+        if (D == 64) weigh<8>(sm, shared, n_all[m], extra_value, acc + m * 256, &sum[m]);
+        else weigh_any(sm, shared, n_all[m], extra_value, D, acc + m * 256, &sum[m]);
+        float* o = out + ((b * Q + i) * heads + h) * D;
+        if (n_all[m] == 0) {  // a query that sees nothing (padding): zeros
+          std::fill(o, o + D, 0.0f);
+          continue;
+        }
+        const __m256 sv = _mm256_set1_ps(sum[m]);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_load_ps(acc + m * 256 + d), sv));
+      }
     }
   });
 }

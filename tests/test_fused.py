@@ -37,24 +37,31 @@ def test_norm_and_activation_match_transformers():
     torch.testing.assert_close(extension().silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
 
 
-def test_attention_matches_sdpa_and_each_query_stands_alone():
-    g = torch.Generator().manual_seed(1)
-    heads, kv_heads, past, n, dim = 9, 3, 37, 6, 64
+@pytest.mark.parametrize("n,past,dim,per_head", [(6, 37, 64, False), (1, 70, 64, False), (17, 70, 64, True), (40, 5, 16, False),
+                                                  (9, 64, 32, True)])
+def test_attention_matches_sdpa_and_each_query_stands_alone(n, past, dim, per_head):
+    """Whatever block of rows, chunk of keys or mask a query shares a call with, its result is
+    that of the query alone over only the keys it sees, in cache order: the same bits."""
+    g = torch.Generator().manual_seed(n + past)
+    heads, kv_heads = 9, 3
     q = torch.randn(1, heads, n, dim, generator=g)
     k, v = torch.randn(1, kv_heads, past + n, dim, generator=g), torch.randn(1, kv_heads, past + n, dim, generator=g)
-    block = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
-                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    mask = torch.cat([torch.ones(n, past, dtype=torch.bool), block], 1)[None, None]
+    # a random tree over the block (each node sees itself and some earlier nodes), per head if asked
+    block = (torch.rand(heads if per_head else 1, n, n, generator=g) < 0.4).tril() | torch.eye(n, dtype=torch.bool)
+    mask = torch.cat([torch.ones(block.shape[0], n, past, dtype=torch.bool), block], 2)[None]
     got = extension().attention(q, k, v, mask, dim ** -0.5)  # [1, n, heads, dim]
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
     torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
-    for i in range(n):  # a node alone, over only the keys it sees, in cache order: the same bits
-        seen = mask[0, 0, i].nonzero()[:, 0]
-        alone = extension().attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, dim ** -0.5)
-        assert torch.equal(alone[0, 0], got[0, i]), i
+    for h in range(heads):
+        for i in range(n):  # a node alone, over only the keys it sees, in cache order: the same bits
+            seen = mask[0, h if per_head else 0, i].nonzero()[:, 0]
+            kv = slice(h // 3, h // 3 + 1)
+            alone = extension().attention(q[:, h : h + 1, i : i + 1], k[:, kv, seen], v[:, kv, seen], None, dim ** -0.5)
+            assert torch.equal(alone[0, 0, 0], got[0, i, h]), (h, i)
     causal = extension().attention(q, k, v, None, dim ** -0.5)  # no mask: the last n keys causal
-    full = torch.ones(n, past + n, dtype=torch.bool).tril(past)[None, None]
+    full = torch.ones(n, past + n, dtype=torch.bool).tril(past)[None, None]  # a mask over every key: none shared
     assert torch.equal(causal, extension().attention(q, k, v, full, dim ** -0.5))
+    assert torch.equal(causal, extension().attention(q, k, v, full[..., past:], dim ** -0.5))  # the cache before all visible
 
 
 def blocked_llama(seed: int = 0, q8: bool = False) -> LlamaForCausalLM:

@@ -18,7 +18,6 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -193,11 +192,11 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
   at::parallel_for(0, total, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> score(M * (L + 8));
     std::vector<int64_t> extra(M * L);  // per query: its visible keys after the shared ones
-    std::vector<int64_t> n_extra(M), n_all(M);
+    std::vector<int64_t> n_all(M);
     std::vector<const float*> qp(M);
-    std::vector<float> top(M), sum(M);
-    std::vector<float> acc_store(M * 256 + 8);
-    float* acc = acc_store.data() + (8 - reinterpret_cast<uintptr_t>(acc_store.data()) / sizeof(float) % 8) % 8;  // 32-byte aligned
+    std::vector<float> sum(M);
+    std::vector<__m256> acc_store(M * 32);  // per query D <= 256 floats, 32-byte aligned
+    float* acc = reinterpret_cast<float*>(acc_store.data());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (kv_heads * blocks), g = t / blocks % kv_heads, i0 = t % blocks * R, i1 = std::min(Q, i0 + R);
       const int64_t m_n = (i1 - i0) * groups;
@@ -215,7 +214,6 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
           for (int64_t j = shared; j < L; ++j)
             if (vis(b, h, i, j, Q, L)) ex[e++] = j;
         }
-        n_extra[m] = e;
         n_all[m] = shared + e;
       }
       const float* kg = k.at(b, g, 0);
@@ -223,6 +221,11 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
       const int64_t ks = k.si, vs = v.si;
       auto key_at = [kg, ks](int64_t j) { return kg + j * ks; };
       auto value_at = [vg, vs](int64_t j) { return vg + j * vs; };
+      auto weigh_range = [D, acc, &sum, &score, L](int64_t m, int64_t r0, int64_t r1, auto value) {
+        const float* sm = score.data() + m * (L + 8);
+        if (D == 64) weigh<8>(sm, r0, r1, value, acc + m * 256, &sum[m]);
+        else weigh_any(sm, r0, r1, value, D, acc + m * 256, &sum[m]);
+      };
       for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t c1 = std::min(shared, c0 + CHUNK);
         for (int64_t m = 0; m < m_n; ++m) scores(qp[m], c0, c1, key_at, D, scale, score.data() + m * (L + 8));
@@ -241,7 +244,6 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
         float mx = lanes[0];
         for (int l = 1; l < 8; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
         for (; u < n; ++u) mx = sm[u] > mx ? sm[u] : mx;
-        top[m] = mx;
         for (int64_t r = n; r < n + 8; ++r) sm[r] = mx;
         const __m256 mv = _mm256_set1_ps(mx);
         for (int64_t r = 0; r < n; r += 8) _mm256_storeu_ps(sm + r, exp8(_mm256_sub_ps(_mm256_loadu_ps(sm + r), mv)));
@@ -250,19 +252,12 @@ void attend(View q, View k, View v, int64_t B, int64_t heads, int64_t kv_heads, 
       }
       for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t c1 = std::min(shared, c0 + CHUNK);
-        for (int64_t m = 0; m < m_n; ++m) {
-          const float* sm = score.data() + m * (L + 8);
-          if (D == 64) weigh<8>(sm, c0, c1, value_at, acc + m * 256, &sum[m]);
-          else weigh_any(sm, c0, c1, value_at, D, acc + m * 256, &sum[m]);
-        }
+        for (int64_t m = 0; m < m_n; ++m) weigh_range(m, c0, c1, value_at);
       }
       for (int64_t m = 0; m < m_n; ++m) {
         const int64_t i = i0 + m / groups, h = g * groups + m % groups;
         const int64_t* ex = extra.data() + m * L;
-        const float* sm = score.data() + m * (L + 8);
-        auto extra_value = [ex, vg, vs, shared](int64_t r) { return vg + ex[r - shared] * vs; };
-        if (D == 64) weigh<8>(sm, shared, n_all[m], extra_value, acc + m * 256, &sum[m]);
-        else weigh_any(sm, shared, n_all[m], extra_value, D, acc + m * 256, &sum[m]);
+        weigh_range(m, shared, n_all[m], [ex, vg, vs, shared](int64_t r) { return vg + ex[r - shared] * vs; });
         float* o = out + ((b * Q + i) * heads + h) * D;
         if (n_all[m] == 0) {  // a query that sees nothing (padding): zeros
           std::fill(o, o + D, 0.0f);

@@ -34,6 +34,7 @@ from entmtp.machine import hardware  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime  # noqa: E402
 from entmtp.spec.headfiles import load_heads  # noqa: E402
 from entmtp.spec.heads import ResBlock  # noqa: E402
+from entmtp.tools.train import Flat  # noqa: E402
 
 VARIANTS = {"final": (), "final+16": (16,), "final+8,16,24": (8, 16, 24)}
 
@@ -104,11 +105,10 @@ def main() -> None:
         other = states(model, rt.encode, shards[args.every // 2 :: args.every * 8], layers, "other shards")
         calib = states(model, rt.encode, sorted((Path(args.work) / "corpus" / "calib").glob("*.pt")), layers, "calib states")
         torch.save((train, other, calib), cache)
-    with torch.no_grad():  # the teacher: top-32 over the draft vocabulary
-        tv, ti = map(torch.cat, zip(*(torch.topk(c @ lm.T, 32, -1) for c in train["final"].split(8192))))
-        tp = torch.softmax(tv, -1)
+    flat = Flat(train["final"], train["tokens"], train["remaining"], (train["remaining"] >= 1).nonzero().flatten())
+    flat.add_teacher(lm, 32)  # the teacher, as train-heads makes it: top-32 over the draft vocabulary
+    ti, tp, anchors = flat.teacher_idx.long(), flat.teacher_p, flat.anchors
     full_lm = model.get_output_embeddings().weight.detach().float()
-    anchors = (train["remaining"] >= 1).nonzero().flatten()
     result = {"hardware": hardware(), "train_tokens": len(train["tokens"]), "steps": args.steps, "lr": args.lr,
               "batch": args.batch, "variants": {}}
     for name, extra in VARIANTS.items():

@@ -17,6 +17,10 @@ ODD_TREES = [
     [[0], [1], [0, 0], [1, 0], [1, 1], [1, 1, 0], [1, 1, 1]],
     [[0], [0, 0], [0, 1], [0, 1, 0], [0, 1, 0, 0]],
 ]
+# trees expanded along the rank-0 chain alone (`Tree.chain_ks`: `expand` takes each depth's top-k
+# straight from the chain's logits), the shapes the fitted banks hold
+CHAIN_TREES = [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [0, 0, 0]], [[0], [0, 0], [0, 1], [0, 0, 0]],
+               [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]]
 KINDS = [("hydra", {}), ("hydra", {"arch": "prefix-mlp"}), ("medusa", {})]
 
 
@@ -60,9 +64,10 @@ def test_expand_equals_reference_drafting(model, kind, kw):
     heads = random_heads(model, kind, **kw)
     rng = random.Random(11)
     trees = [compile_tree(t, f"odd{i}") for i, t in enumerate(ODD_TREES)]
+    trees += [compile_tree(t, f"chain{i}") for i, t in enumerate(CHAIN_TREES)]
     while len(trees) < 50:
         trees.append(compile_tree(random_tree(rng, max_nodes=24), f"r{len(trees)}"))
-    assert sum(chain_skipped(t) for t in trees) >= 10
+    assert sum(chain_skipped(t) for t in trees) >= 10 and sum(t.chain_ks is not None for t in trees) >= len(CHAIN_TREES)
     with torch.no_grad():
         for tree, (root, feature) in zip(trees, features(model, heads, len(trees))):
             chain, _ = top1_chain(heads, feature, root, tree.max_depth)

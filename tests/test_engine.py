@@ -150,7 +150,17 @@ def test_tree_logits_equal_sequential_logits(model, prompts):
             torch.testing.assert_close(tree_logits[node], want, rtol=1e-5, atol=1e-5)
 
 
-def test_cache_after_commit_equals_recompute(model, prompts):
+@pytest.mark.parametrize("moves", ["tensor-ops", "extension"])
+def test_cache_after_commit_equals_recompute(model, prompts, moves, monkeypatch):
+    """`kv.commit` keeps what a fresh forward over the accepted tokens makes, whether the moves
+    are tensor operations or the extension's `keep_entries` (used once the extension is loaded)."""
+    from entmtp.model import ext
+
+    if moves == "extension":
+        if ext.extension() is None:
+            pytest.skip(f"the extension does not load here: {ext.extension_error()}")
+    else:
+        monkeypatch.setattr(ext, "loaded", lambda: None)
     torch.manual_seed(1)
     tree = NAMED["mc_sim_7b_63"]
     prompt = prompts[0]

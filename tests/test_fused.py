@@ -37,6 +37,40 @@ def test_norm_and_activation_match_transformers():
     torch.testing.assert_close(extension().silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
 
 
+def test_argmax_rows_is_torchs_argmax():
+    """The decode loop's argmax (`kernels.argmax_rows`): torch.argmax's indices, the first maximal
+    element, on random logits of any width, ties, infinities and NaN (torch's maximum)."""
+    g = torch.Generator().manual_seed(0)
+    for rows, n in [(1, 49152), (5, 49152), (9, 1000), (3, 7), (64, 37)]:
+        x = torch.randn(rows, n, generator=g)
+        assert torch.equal(extension().argmax_rows(x), x.argmax(-1))
+        assert torch.equal(extension().argmax_rows(x.round()), x.round().argmax(-1))  # many ties
+    x = torch.zeros(5, 37)
+    x[0, [5, 30]] = 1.0  # a tie: the first
+    x[1, 36] = 2.0  # the tail after the last 8 lanes
+    x[2, [3, 20]] = float("nan")
+    x[2, 9] = 5.0
+    x[3] = -float("inf")
+    x[4, 17] = float("inf")
+    assert torch.equal(extension().argmax_rows(x), x.argmax(-1))
+    assert extension().argmax_rows(x).tolist()[:2] == [5, 36]
+    assert kernels.argmax_rows(x[1:2]).tolist() == [36]  # the engine's helper, the extension loaded
+
+
+def test_keep_entries_moves_the_accepted_path_in_place():
+    g = torch.Generator().manual_seed(1)
+    bufs = [torch.randn(1, 3, 50, 8, generator=g) for _ in range(4)]
+    want = [b.clone() for b in bufs]
+    past, accepted = 20, [0, 2, 5, 6]
+    for w in want:
+        w[:, :, past : past + 4] = w[:, :, [past + a for a in accepted]].clone()
+    extension().keep_entries(bufs, past, accepted)
+    for b, w in zip(bufs, want):
+        assert torch.equal(b, w)
+    with pytest.raises(RuntimeError, match="must grow"):
+        extension().keep_entries(bufs, past, [0, 3, 2])
+
+
 @pytest.mark.parametrize("n,past,dim,per_head", [(6, 37, 64, False), (1, 70, 64, False), (17, 70, 64, True), (40, 5, 16, False),
                                                   (9, 64, 32, True)])
 def test_attention_matches_sdpa_and_each_query_stands_alone(n, past, dim, per_head):

@@ -90,6 +90,12 @@ def extension():
         return _state["ext"]
 
 
+def loaded():
+    """The compiled kernels if this process has already loaded them, else None (never builds:
+    for helpers that only pay where the served model runs on them anyway)."""
+    return _state.get("ext")
+
+
 def build_report() -> dict | None:
     """How long making the kernels ready took in this process: {"seconds", "built"} (built: compiled
     now, else loaded from the extension cache); None if they were never asked for."""

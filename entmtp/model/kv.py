@@ -121,7 +121,7 @@ def commit(cache, past: int, accepted: list[int], n_tree: int) -> None:
     copied in place to positions past..past+L-1, then the tail is cropped.
     """
     n_keep = len(accepted)
-    if accepted != list(range(n_keep)):  # a chain prefix needs no copy, only the crop
+    if accepted != list(range(n_keep)) and not _keep_in_place(cache, past, accepted):  # a chain prefix needs only the crop
         src = torch.tensor(accepted, device=cache.layers[0].keys.device) + past
         for layer in cache.layers:
             if src.device != layer.keys.device:
@@ -132,6 +132,20 @@ def commit(cache, past: int, accepted: list[int], n_tree: int) -> None:
     if drop:
         for layer in cache.layers:
             layer.crop(-drop)
+
+
+def _keep_in_place(cache, past: int, accepted: list[int]) -> bool:
+    """`commit`'s moves in one extension call (`keep_entries`) where the extension is loaded and
+    every layer is a CPU `BufferedLayer` (the 120 small tensor operations it replaces took ~0.8 ms
+    a step on the 2-core AMD EPYC). False where it does not apply: the caller moves them itself."""
+    from entmtp.model.ext import loaded
+
+    ext, layers = loaded(), cache.layers
+    if ext is None or not all(type(layer) is BufferedLayer and getattr(layer, "_k", None) is not None
+                              and layer._k.device.type == "cpu" for layer in layers):
+        return False
+    ext.keep_entries([b for layer in layers for b in (layer._k, layer._v)], past, accepted)
+    return True
 
 
 @functools.lru_cache(maxsize=None)

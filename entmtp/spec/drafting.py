@@ -66,6 +66,9 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device.
     """
     device = feature.device
+    if tree.chain_ks is not None and len(chain) >= len(tree.chain_ks):  # every parent on the chain: its logits are all there
+        root = root.view(1) if isinstance(root, torch.Tensor) else torch.tensor([root], device=device)
+        return torch.cat([root] + [heads.to_token_ids(torch.topk(chain[d], k).indices) for d, k in enumerate(tree.chain_ks)])
     tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
     if isinstance(root, torch.Tensor):
         tokens[:1] = root.view(1)

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from entmtp.config import GenerationConfig
-from entmtp.model import forward, graphs, kv
+from entmtp.model import forward, graphs, kernels, kv
 from entmtp.model.gguf import q8_inputs
 from entmtp.spec import drafting, verify
 from entmtp.spec.heads import DraftHeads
@@ -183,7 +183,7 @@ class Engine:
         hidden, logits = forward.forward(model, cache, ids, torch.arange(len(prompt_ids), device=device)[None], None)
         z = logits[-1]  # (V,) base logits at the last accepted position
         feature = ctx.observe(hidden) if ctx is not None else None
-        root = verify.sample(torch.softmax(z.float() / gen.temperature, -1).cpu(), rng) if sampling else int(z.argmax())
+        root = verify.sample(torch.softmax(z.float() / gen.temperature, -1).cpu(), rng) if sampling else int(kernels.argmax_rows(z[None])[0])
         past = len(prompt_ids)
         prefill_ms = (clock() - t_start) * 1e3
         produced, step = 0, 0
@@ -226,7 +226,7 @@ class Engine:
             t3 = clock()
             # accept
             if not sampling:  # drafts and the base argmax in one read from the device
-                tok_list, target = torch.stack([tokens, logits.argmax(-1)]).tolist()
+                tok_list, target = torch.stack([tokens, kernels.argmax_rows(logits)]).tolist()
                 path, next_root = verify.accept_greedy(tree, tok_list, target)
             elif gen.typical:
                 tok_list = tokens.tolist()

@@ -110,6 +110,18 @@ class Tree:
             node = kids[r]
         return node
 
+    @cached_property
+    def chain_ks(self) -> tuple[int, ...] | None:
+        """Where every expanded node is on the rank-0 chain (0, ..., 0), the number of children it
+        has at each depth (node order is then the root and each depth's top-k in rank order);
+        None for other trees."""
+        chain = 0
+        for plan in self.plans:
+            if plan.parents.tolist() != [chain] or plan.slot.tolist() != list(range(plan.k)):
+                return None
+            chain = self.children[chain][0]
+        return tuple(plan.k for plan in self.plans)
+
     def depth_on(self, device: torch.device) -> torch.Tensor:
         """`depth_tensor` on `device`, cached per device (a copy per step costs a transfer on a GPU)."""
         cache = self.__dict__.setdefault("_depth_cache", {})

@@ -48,7 +48,12 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;      // output columns a packed group
-constexpr int64_t kQ8MaxRows = 64;  // kQ8Small: larger calls compute in float32
+constexpr int64_t kQ8MaxRows = 64;
+// Weights are streamed from memory once a call. While a tile computes, the groups kAheadGroups
+// further on are fetched into L2 (the first row tile of a group only; later ones find its
+// weights cached): on the 2-core AMD EPYC Zen 4 the model's 120 linears took 5.1 -> 4.5 ms for
+// one row and 7.7 -> 6.6 ms for five. A prefetch reads nothing into any result.
+constexpr int64_t kAheadGroups = 4;  // kQ8Small: larger calls compute in float32
 
 inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }  // exact
 
@@ -62,6 +67,16 @@ struct Packed {
   inline const uint8_t* chunk(int64_t g, int64_t b, int64_t j) const { return q + ((g * blocks + b) * chunks + j) * 64; }
   inline const at::Half* scale(const at::Half* s, int64_t g, int64_t b) const { return s + (g * blocks + b) * kGroup; }
 };
+
+// Block b of group g's packed values and scales fetched into L2 (nothing past the last group).
+inline void prefetch_block(const Packed& P, int64_t g, int64_t b) {
+  if (g >= P.groups) return;
+  for (int64_t j = 0; j < P.chunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(P.chunk(g, b, j)), _MM_HINT_T1);
+  if ((b & 1) == 0) {  // a block's 16 scales are 32 bytes: one line holds two blocks'
+    _mm_prefetch(reinterpret_cast<const char*>(P.scale(P.d, g, b)), _MM_HINT_T1);
+    if (P.m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(P.scale(P.m, g, b)), _MM_HINT_T1);
+  }
+}
 
 // ---- float32 arithmetic (dequantised weights) ------------------------------------------------
 
@@ -161,6 +176,25 @@ inline void row_groups(int64_t M, Tile&& tile) {
     case 2: tile(std::integral_constant<int, 2>{}, r); break;
     case 1: tile(std::integral_constant<int, 1>{}, r); break;
     default: break;
+  }
+}
+
+// M input rows in as few tiles of at most R as row_groups, the rows spread evenly over them (5
+// rows: 3 + 2, not 4 + 1): a tile of one row keeps few integer sums in flight and waits on their
+// latency, so an uneven tail cost nearly as much as a whole tile. A tile only regroups rows.
+template <int R, typename Tile>
+inline void even_rows(int64_t M, Tile&& tile) {
+  static_assert(R == 4, "even_rows: tiles of up to 4 rows");
+  const int64_t tiles = (M + R - 1) / R;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t left = tiles - t, rows = (M - r + left - 1) / left;
+    switch (rows) {
+      case 4: tile(std::integral_constant<int, 4>{}, r); break;
+      case 3: tile(std::integral_constant<int, 3>{}, r); break;
+      case 2: tile(std::integral_constant<int, 2>{}, r); break;
+      default: tile(std::integral_constant<int, 1>{}, r); break;
+    }
+    r += rows;
   }
 }
 
@@ -324,11 +358,12 @@ void q8_scalar(const Packed& P, const Q8Rows& A, int64_t M, float* y) {
 // per block widens them. Q8_0: the weights' signs moved onto the inputs (|w| * sign(x, w), each
 // int16 pair within 2 * 127 * 127), one madd per chunk.
 template <int R, bool kQ41>
-inline void group_avx2(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, float* y) {
+inline void group_avx2(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, float* y, bool prefetch) {
   const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < P.blocks; ++b) {
+    if (prefetch) prefetch_block(P, g + kAheadGroups, b);
     __m256i isum[R][2];
     if (kQ41) {
       __m256i s16[R][2];
@@ -399,7 +434,7 @@ template <bool kQ41>
 void q8_avx2(const Packed& P, const Q8Rows& A, int64_t M, float* y) {
   at::parallel_for(0, P.groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      row_groups<4>(M, [&](auto rows, int64_t r) { group_avx2<decltype(rows)::value, kQ41>(P, A, g, r, y); });
+      even_rows<4>(M, [&](auto rows, int64_t r) { group_avx2<decltype(rows)::value, kQ41>(P, A, g, r, y, r == 0); });
   });
 }
 
@@ -411,7 +446,7 @@ void q8_avx2(const Packed& P, const Q8Rows& A, int64_t M, float* y) {
 // vectors, each weight chunk R rows.
 template <int R, int V, bool kQ41>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-inline void tile_vnni(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, float* y) {
+inline void tile_vnni(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, float* y, bool prefetch) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -422,6 +457,8 @@ inline void tile_vnni(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, f
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) isum[r][v] = _mm512_setzero_si512();
     const int8_t* x0 = A.q + (r0 * A.blocks + b) * kBlock;
+    if (prefetch)
+      for (int v = 0; v < V; ++v) prefetch_block(P, g + kAheadGroups + v, b);
     if (kQ41) {
       for (int j = 0; j < 4; ++j) {
         __m512i lo[V], hi[V];
@@ -476,7 +513,7 @@ inline void tile_vnni(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, f
 
 template <int V, bool kQ41>
 inline void rows_vnni(const Packed& P, const Q8Rows& A, int64_t M, int64_t g, float* y) {
-  row_groups<4>(M, [&](auto rows, int64_t r) { tile_vnni<decltype(rows)::value, V, kQ41>(P, A, g, r, y); });
+  even_rows<4>(M, [&](auto rows, int64_t r) { tile_vnni<decltype(rows)::value, V, kQ41>(P, A, g, r, y, r == 0); });
 }
 
 template <bool kQ41>

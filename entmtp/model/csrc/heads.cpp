@@ -15,7 +15,6 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/max.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
@@ -90,10 +89,11 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
       }
     }
     auto z = lm[d](hidden_of(d, x), isa);  // (1, K)
-    auto top = at::max(at::softmax(z, -1), -1);  // drafting.top1_logits: softmax(row).max(-1)
-    const int64_t idx = std::get<1>(top).item<int64_t>();
+    // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
+    const auto p = at::softmax(z, -1).contiguous();
+    const int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
     const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
-    probs.data_ptr<float>()[d - first] = std::get<0>(top).item<float>();
+    probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[idx];
     rows.push_back(z);
     path.push_back(token);
   }

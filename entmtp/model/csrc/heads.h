@@ -5,6 +5,9 @@
 #include <tuple>
 #include <vector>
 
+// The index of the first maximal of n floats, torch.argmax's (layers.cpp).
+int64_t argmax_row(const float* p, int64_t n);
+
 struct HeadChain {
   // One `gguf.Q8BlockLinear`: packed Q8_0 values and scales, the inverse smoothing (empty: none),
   // the bias (empty: none), `out` outputs.

@@ -306,3 +306,22 @@ def test_the_ceiling_is_the_best_any_sequence_of_choices_reaches():
     assert fit["ceiling"]["over_ar"] == pytest.approx(ceiling / fit["predicted_tokens_per_s"]["ar"], rel=1e-3)
     fit.update(hardware="h", date="d")  # what `calibrate` adds
     assert "ceiling:" in fitting.fit_table(fit) and fitting.fit_summary(fit)["ceiling"] == fit["ceiling"]
+
+
+def test_context_cost_interleaves_the_two_contexts(monkeypatch):
+    """The two contexts take turns round by round and each tree's slope comes from the medians:
+    a machine that slows down during the calibration cannot pass for a context that costs less."""
+    small, big = compile_tree([], "n1"), compile_tree([[0], [1], [0, 0]], "n4")
+    order, clock = [], iter(range(100))
+
+    def fake(engine, heads, trees, cfg, progress=None, turn=None):
+        order.append(cfg.context)
+        drift = next(clock)  # the machine gets 1 ms slower with every run
+        cost = {cal.tree_key(small): 10.0 + drift + 0.01 * cfg.context, cal.tree_key(big): 20.0 + drift + 0.05 * cfg.context}
+        return cost, 0.5, cfg.context
+
+    monkeypatch.setattr(cal, "measure_costs", fake)
+    got = cal.measure_context_cost(None, None, [small, big], CalibrateConfig(context=192, short_context=32, rounds=4))
+    assert order == [192, 32, 32, 192, 192, 32, 32, 192]
+    assert got["contexts"] == [32, 192] and got["nodes"] == [1, 4]
+    assert got["slope_ms_per_token"] == pytest.approx([0.01, 0.05])

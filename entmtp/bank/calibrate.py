@@ -92,13 +92,28 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
 def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
                          turn: Turn = nullcontext) -> dict[str, Any]:
     """How a step's cost grows with its context (`bank.predict`): the plain step and the largest
-    tree timed together at `cfg.context` and at `cfg.short_context`; per tree size, ms per extra
-    context token (never below 0), and the prefill of either context's prompt."""
+    tree timed at `cfg.context` and at `cfg.short_context`, the two contexts taking turns round by
+    round (long, short, short, long, ...) so that the machine's drift hits both alike; per tree
+    size, ms per extra context token (never below 0), and the prefill of either context's prompt.
+    (Timed one context after the other, two calibrations on the 2-core AMD EPYC read the 64-node
+    tree 1-2 ms *cheaper* at 192 tokens than at 32, when interleaved runs put it ~8 ms dearer.)"""
     small, big = min(trees, key=lambda t: t.n_nodes), max(trees, key=lambda t: t.n_nodes)
     pair = [small, big] if tree_key(small) != tree_key(big) else [small]
-    long_ms, long_prefill, long_ctx = measure_costs(engine, heads, pair, cfg, None, turn)
-    short_ms, short_prefill, short_ctx = measure_costs(engine, heads, pair, replace(cfg, context=min(cfg.short_context, long_ctx - 1)),
-                                                       None, turn)
+    runs: dict[str, list[tuple[dict[str, float], float, int]]] = {"long": [], "short": []}
+    long_ctx = cfg.context
+    for r in range(max(1, cfg.rounds)):
+        for which in (("long", "short") if r % 2 == 0 else ("short", "long")):
+            context = cfg.context if which == "long" else min(cfg.short_context, long_ctx - 1)
+            runs[which].append(measure_costs(engine, heads, pair, replace(cfg, context=context, rounds=1), None, turn))
+            if which == "long":
+                long_ctx = runs["long"][-1][2]  # the context the model had room for
+
+    def median(which: str) -> tuple[dict[str, float], float, int]:
+        got = runs[which]
+        costs = {k: statistics.median(run[0][k] for run in got) for k in got[0][0]}
+        return costs, statistics.median(run[1] for run in got), got[0][2]
+
+    (long_ms, long_prefill, long_ctx), (short_ms, short_prefill, short_ctx) = median("long"), median("short")
     span = max(1, long_ctx - short_ctx)
     slopes = [max(0.0, (long_ms[tree_key(t)] - short_ms[tree_key(t)]) / span) for t in (small, big)]
     return {"contexts": [short_ctx, long_ctx], "nodes": [small.n_nodes, big.n_nodes],

@@ -47,6 +47,12 @@ def worker(repo: str, banks: str, max_new_tokens: int) -> None:
         print(json.dumps({"tokens": res.token_ids, "steps": len(res.steps), "decode_s": decode_s}), flush=True)
 
 
+def _shown(path: str) -> str:
+    """A path as a record names it: relative to the checkout where it lies inside."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def cpu_id() -> str:
     """The CPU's model name, family and model number as /proc/cpuinfo gives them ("" elsewhere)."""
     try:
@@ -153,7 +159,7 @@ def main() -> None:
             row["new_over_old"] = round(row["new_tokens_per_s"] / row["old_tokens_per_s"], 3)
             rows.append(row)
     record = {"hardware": hardware(), "cpu_flags": cpu_features(), "cpu": cpu_id(), "old": args.old, "old_commit": rev.stdout.strip(), "new_commit": head,
-              "date": datetime.date.today().isoformat(), "banks": args.banks, "prompts": f"calib split, {args.prompts_per_task} a task",
+              "date": datetime.date.today().isoformat(), "banks": _shown(args.banks), "prompts": f"calib split, {args.prompts_per_task} a task",
               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "lossless": True, "same_tokens": True, "rows": rows,
               "command": "python scripts/compare_engines.py " + " ".join(sys.argv[1:])}
     for row in rows:

@@ -48,12 +48,12 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;      // output columns a packed group
-constexpr int64_t kQ8MaxRows = 64;
+constexpr int64_t kQ8MaxRows = 64;  // kQ8Small: larger calls compute in float32
 // Weights are streamed from memory once a call. While a tile computes, the groups kAheadGroups
 // further on are fetched into L2 (the first row tile of a group only; later ones find its
 // weights cached): on the 2-core AMD EPYC Zen 4 the model's 120 linears took 5.1 -> 4.5 ms for
 // one row and 7.7 -> 6.6 ms for five. A prefetch reads nothing into any result.
-constexpr int64_t kAheadGroups = 4;  // kQ8Small: larger calls compute in float32
+constexpr int64_t kAheadGroups = 4;
 
 inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }  // exact
 

@@ -61,6 +61,13 @@ inline void rms_row(const float* x, const float* w, int64_t H, float eps, float*
     _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), r)));
 }
 
+// rms_row over `rows` rows of H; threads from 8 rows on.
+inline void rms_rows(const float* x, const float* w, int64_t rows, int64_t H, float eps, float* y) {
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(x + r * H, w, H, eps, y + r * H);
+  });
+}
+
 // a = silu(g) * u, silu(g) = g / (1 + exp(-g)), one row of I.
 inline void silu_mul_row(const float* g, const float* u, int64_t I, float* a) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
@@ -296,12 +303,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == at::kFloat, "rms_norm: weight must be float32 [H]");
   auto xc = x.contiguous();
   auto y = at::empty_like(xc);
-  const int64_t rows = xc.numel() / H;
-  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
-  });
+  rms_rows(xc.data_ptr<float>(), w.data_ptr<float>(), xc.numel() / H, H, static_cast<float>(eps), y.data_ptr<float>());
   return y;
 }
 
@@ -318,22 +320,15 @@ at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
   float* ap = a.data_ptr<float>();
   const int64_t gs = g2.stride(0), us = u2.stride(0), slice = 256;  // elements are independent: slices of rows in parallel
   const int64_t per_row = (I + slice - 1) / slice;
-  at::parallel_for(0, rows * per_row, 4, [&](int64_t s0, int64_t s1) {
+  // under 4 rows on the calling thread: a hand-off to the other thread cost more than the work
+  // (~10 us a layer of a one-token step on the 2-core AMD EPYC)
+  at::parallel_for(0, rows * per_row, rows < 4 ? rows * per_row : 4, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r = s / per_row, k = s % per_row * slice;
       silu_mul_row(gp + r * gs + k, up + r * us + k, std::min(slice, I - k), ap + r * I + k);
     }
   });
   return a.view(g.sizes());
-}
-
-// silu_mul of a fused gate/up output [Q, 2I] for a few rows, on this thread: the same row function.
-at::Tensor silu_mul_rows(const at::Tensor& gu, int64_t I) {
-  const int64_t rows = gu.size(0);
-  auto a = at::empty({rows, I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, I, a.data_ptr<float>() + r * I);
-  return a;
 }
 
 // q [B, heads, Q, D], k/v [B, kv_heads, L, D], mask None (causal) or bool -> out [B, Q, heads, D].
@@ -402,12 +397,7 @@ struct Stack {
     auto att = at::empty({Q, heads * D}, x.options());
     float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
-    auto norm = [&](const at::Tensor& wt) {
-      const float* wp = wt.data_ptr<float>();
-      at::parallel_for(0, Q, 8, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), hp + r * H);
-      });
-    };
+    auto norm = [&](const at::Tensor& wt) { rms_rows(xp, wt.data_ptr<float>(), Q, H, static_cast<float>(eps), hp); };
     auto add = [&](const at::Tensor& y) {  // x += y, as x.add(y) rounds it
       const float* yp = y.data_ptr<float>();
       for (int64_t k = 0; k < Q * H; k += 8) _mm256_storeu_ps(xp + k, _mm256_add_ps(_mm256_loadu_ps(xp + k), _mm256_loadu_ps(yp + k)));
@@ -442,7 +432,7 @@ struct Stack {
       norm(t[7]);
       auto gu = linear(h, t + 8, 2 * t[11].size(1) * 32);
       const int64_t I = gu.size(1) / 2;
-      auto a = Q < 4 ? silu_mul_rows(gu, I) : silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+      auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
       add(linear(a, t + 11, H));
     }
     return x;

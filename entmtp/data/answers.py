@@ -13,10 +13,12 @@ import gzip
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable
 
 from entmtp.config import DEFAULT_MODEL, ROOT
 
 ANSWERS_DIR = ROOT / "data" / "answers"
+ANSWER_CAPS = (128, 160)  # answer lengths the store keys: bank and eval continuations, training answers
 
 
 def repo_store(model: str, arithmetic: str = "") -> "AnswerStore | None":
@@ -80,3 +82,24 @@ class AnswerStore:
 
 def _lines(rows) -> str:
     return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
+
+
+def training_answers(model: str, encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The repository's stored answers of `model` to training prompts only ([] for other models).
+
+    Left out: the banks' calibration continuations (source "greedy") and every answer whose key is
+    that of a calibration or evaluation prompt (any task, the everyday requests included), under
+    either arithmetic and any answer cap the project uses. So a draft source built on them (the
+    phrasebook) has never seen a prompt it is fitted or measured on."""
+    from entmtp.config import EVAL_SETS, TASKS
+    from entmtp.data import everyday
+    from entmtp.data.prompts import eval_set, prompts
+
+    store = repo_store(model)
+    if store is None:
+        return []
+    texts = [p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
+    texts += [it["prompt"] for name in EVAL_SETS for it in eval_set(name)]
+    ids = [encode(t) for t in texts]
+    held = {AnswerStore(None, model + arithmetic).key(p, cap) for p in ids for arithmetic in ("", "+q8") for cap in ANSWER_CAPS}
+    return [r["tokens"] for k, r in store.rows.items() if r["source"] != "greedy" and k not in held]

@@ -1,0 +1,77 @@
+"""The phrasebook: its tables against a plain count, its proposals, and what it is built from."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+
+import pytest
+from transformers import AutoTokenizer
+
+from entmtp.config import DEFAULT_MODEL, EVAL_SETS, TASKS
+from entmtp.data import everyday
+from entmtp.data.answers import ANSWER_CAPS, AnswerStore, repo_store, training_answers
+from entmtp.data.prompts import eval_set, prompts
+from entmtp.runtime.weights import default_gguf
+from entmtp.spec.phrasebook import Phrasebook, ngram_hash
+
+
+def _sequences(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)  # a small vocabulary, so n-grams repeat with several followers
+    return [[rng.randrange(6) for _ in range(rng.randrange(1, 60))] for _ in range(80)]
+
+
+def test_tables_hold_the_most_frequent_follower_of_every_ngram():
+    seqs = _sequences()
+    book = Phrasebook(seqs, max_n=4)
+    for n in range(1, 5):
+        counts: dict[tuple, Counter] = defaultdict(Counter)
+        for s in seqs:  # windows never cross from one sequence into the next
+            for i in range(n, len(s)):
+                counts[tuple(s[i - n : i])][s[i]] += 1
+        assert len(book.tables[n].keys) == len(counts)
+        for gram, c in counts.items():
+            best = min(c, key=lambda t: (-c[t], t))  # the largest count, the smallest token on a tie
+            assert book.tables[n].get(ngram_hash(gram)) == (best, c[best], sum(c.values()))
+    assert book.tables[2].get(ngram_hash((7, 7))) is None
+
+
+def test_a_proposal_takes_the_longest_suffix_the_text_first():
+    book = Phrasebook([[1, 2, 3, 4], [9, 2, 3, 5], [9, 2, 3, 5]], max_n=3)
+    ctx = book.context([8, 2, 3])
+    p = ctx.propose()  # (2, 3) is in the book twice with 5 after it, once with 4
+    assert (p.token, p.n, p.local, round(p.share, 3)) == (5, 2, False, 0.667)
+    ctx = book.context([1, 2, 3])
+    p = ctx.propose()  # (1, 2, 3) -> 4
+    assert (p.token, p.n) == (4, 3)
+    ctx.extend([7, 1, 2, 3])  # now the text itself holds (1, 2, 3) -> 7: it comes first
+    p = ctx.propose()
+    assert (p.token, p.n, p.local) == (7, 3, True)
+    assert ctx.propose(extra=[6]) is None  # nothing ever followed 6
+    assert ctx.propose(extra=[2, 3], min_n=3) is None  # (3, 2, 3) was never seen
+    p = ctx.propose(extra=[2, 3])  # a drafted path after the text: (2, 3) -> 7 in the text itself
+    assert (p.token, p.n, p.local) == (7, 2, True)
+
+
+@pytest.mark.slow
+def test_the_book_holds_answers_to_training_prompts_only():
+    """Every stored answer the phrasebook reads belongs to a training prompt of some source; none
+    to a calibration or evaluation prompt (the banks are fitted, the heads and benches measured on those)."""
+    gguf = default_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    def encode(text: str) -> list[int]:  # Runtime.encode: the user message in the chat template
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tok(chat, add_special_tokens=False)["input_ids"]
+
+    book = training_answers(DEFAULT_MODEL, encode)
+    store = repo_store(DEFAULT_MODEL)
+    keys = lambda texts: {AnswerStore(None, DEFAULT_MODEL + a).key(encode(t), cap)  # noqa: E731
+                          for t in texts for a in ("", "+q8") for cap in ANSWER_CAPS}
+    train = keys([p for t in TASKS for p in prompts(t, "train")] + everyday.prompts("train"))
+    held = keys([p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
+                + [it["prompt"] for name in EVAL_SETS for it in eval_set(name)])
+    kept = [k for k, r in store.rows.items() if r["source"] != "greedy" and k not in held]
+    assert len(book) == len(kept) > 9000
+    assert all(k in train for k in kept)
+    assert not any(k in held for k in kept)

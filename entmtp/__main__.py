@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig, PhrasebookRule,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=positive_int, default=g.max_new_tokens)
     ev.add_argument("--tasks", default=",".join(EVAL_SETS), help="comma-separated evaluation sets (default: %(default)s)")
     ev.add_argument("--work", default=None, help="where the held-out corpus is cached (default: as train-heads)")
+    ev.add_argument("--phrasebook", action="store_true",
+                    help="also score Hydra heads drafting with the model's phrasebook first on the spine (as the shipped banks do)")
     ev.add_argument("--record", action="store_true",
                     help="write the accepted lengths into each evaluated heads folder's heads.json (docs/heads.md shows them)")
     add_model_args(ev)
@@ -172,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--out", default=None, help="bank file (default: banks/<model>/<task>.json)")
     bb.add_argument("--work", default=None, help="stage checkpoints (default: checkpoints/bank/<model>/<task>)")
     bb.add_argument("--fresh", action="store_true", help="discard the stage checkpoints and start over")
+    bb.add_argument("--no-phrasebook", action="store_true",
+                    help="draft the traces with the heads alone (default: with the model's phrasebook where it ships stored answers)")
     add_model_args(bb, fit=False)
 
     c = CalibrateConfig()
@@ -377,7 +381,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
         if missing:
             raise UsageError(f"--record writes into heads in our format: {', '.join(missing)} not found")
     report = evaluate(rt, kinds, per_task, args.max_new_tokens, _work_dir(args), cache_root(model_config(args)),
-                      progress=_progress)
+                      progress=_progress, phrasebook=args.phrasebook)
     if args.record:
         for kind, folder in folders.items():
             print(f"recorded in {record_in(folder, kind, report, rt.arithmetic or 'float32')}", file=sys.stderr)
@@ -399,6 +403,7 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     from entmtp.figures.plots import bank_figure
     from entmtp.bank.build import build_task_bank, calibration_prompts
     from entmtp.bank.fit import fit_summary, fit_table
+    from entmtp.data.answers import repo_store
     from entmtp.runtime.runtime import bank_path, load_runtime
 
     cfg = BankBuildConfig(calib_prompts=args.calib_prompts, calib_new_tokens=args.calib_new_tokens,
@@ -409,7 +414,8 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
     out = Path(args.out) if args.out else bank_path(rt.name, args.task)
     try:
-        bank = build_task_bank(rt, args.task, texts, calibration, cfg, args.work, args.fresh, _command(args), _progress)
+        rule = None if args.no_phrasebook or repo_store(rt.name) is None else PhrasebookRule()
+        bank = build_task_bank(rt, args.task, texts, calibration, cfg, args.work, args.fresh, _command(args), _progress, rule)
     except ValueError as e:
         if type(e) is ValueError:  # a refused setting (the work folder's); subclasses name their own fault
             raise UsageError(str(e)) from None

@@ -94,6 +94,16 @@ class BankBuildConfig:
 
 
 @dataclass(frozen=True)
+class PhrasebookRule:
+    """When the phrasebook's guess goes first at a node of the drafted spine (`spec.phrasebook`):
+    its suffix matched at least `min_n` tokens and the head's top-1 probability there is below
+    `max_head_p`. Chosen on the banks' calibration prompts (scripts/phrasebook_probe.py)."""
+
+    min_n: int = 2
+    max_head_p: float = 0.5
+
+
+@dataclass(frozen=True)
 class CalibrateConfig:
     """How `calibrate` times a step (defaults: all three tasks in well under 150 s on 2 cores)."""
 

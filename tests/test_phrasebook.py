@@ -75,3 +75,39 @@ def test_the_book_holds_answers_to_training_prompts_only():
     assert len(book) == len(kept) > 9000
     assert all(k in train for k in kept)
     assert not any(k in held for k in kept)
+
+
+def test_drafting_with_the_book_is_lossless_and_its_traces_exact():
+    """With the book first on the spine the engine still decodes `generate`'s tokens, and a bank's
+    traces recorded with it predict every tree's steps exactly (the served Q8 arithmetic, where a
+    head's row computes alike alone and batched)."""
+    from entmtp.bank import record as rec
+    from entmtp.bank import traces as tr
+    from entmtp.config import GenerationConfig, PhrasebookRule
+    from entmtp.spec.engine import Engine, Strategy, collect
+    from entmtp.spec.policy import StaticPolicy
+    from entmtp.spec.topology import chain_paths, compile_tree
+    from conftest import random_heads, reference
+    from test_fused import blocked_llama
+
+    model = blocked_llama(3, q8=True)
+    engine, heads = Engine(model, []), random_heads(model)
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 96) for _ in range(12)]
+    ref = reference(model, prompt, 40)
+    noisy = [t if rng.random() < 0.7 else rng.randrange(96) for t in ref]  # right guesses and wrong ones
+    book = Phrasebook([prompt + ref[:15], noisy, noisy[5:] + noisy[:5]] + _sequences(2))
+    rule = PhrasebookRule(min_n=2, max_head_p=1.01)  # the heads here are random: let the book go first at any probability
+    trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
+    plain = rec.record(engine, heads, prompt, ref, 3)
+    trace = rec.record(engine, heads, prompt, ref, 3, book=book, rule=rule)
+    assert trace.ranks != plain.ranks  # the book moved ranks; the first head's top-1 probability stays the head's
+    assert [c[0] for c in trace.chain] == [c[0] for c in plain.chain] and trace.chain != plain.chain  # deeper heads read its path
+    gained = 0
+    for tree in trees:
+        real = collect(engine.generate(prompt, Strategy(tree.name, (tree,), StaticPolicy(0), heads, book, rule),
+                                       GenerationConfig(max_new_tokens=40)))
+        assert real.token_ids == ref, tree.name
+        assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
+        gained += len(real.steps) < tr.decode_with(tree, plain)[1]
+    assert gained, "the book should save steps on these prompts"

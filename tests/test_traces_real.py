@@ -18,7 +18,7 @@ from entmtp.bank import record as rec
 from entmtp.bank import traces as tr
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import _quantiles
-from entmtp.config import TREES_FILE, GenerationConfig, ModelConfig
+from entmtp.config import TREES_FILE, GenerationConfig, ModelConfig, PhrasebookRule
 from entmtp.data.prompts import prompts
 from entmtp.spec.engine import Strategy, collect
 from entmtp.runtime.runtime import load_runtime
@@ -30,17 +30,18 @@ N_NEW = 48
 TREES = [[], [[0]], [[0], [1], [0, 0]], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]]
 
 
-def rollout_vs_simulation(kernels: str, task: str, n_prompts: int):
+def rollout_vs_simulation(kernels: str, task: str, n_prompts: int, phrasebook: bool = False):
     torch.set_num_threads(ALL_THREADS)
     try:
         rt = load_runtime(ModelConfig(kernels=kernels))
         heads = rt.heads("hydra")
+        book, rule = (rt.phrasebook(), PhrasebookRule()) if phrasebook else (None, PhrasebookRule())
         ids = [rt.encode(p) for p in prompts(task, "calib", n_prompts)]
-        traces = rec.record_all(rt.engine, heads, ids, N_NEW, 4)
+        traces = rec.record_all(rt.engine, heads, ids, N_NEW, 4, book=book, rule=rule)
         trees = [compile_tree(p, f"t{i}") for i, p in enumerate(TREES)] + [load_named_trees(TREES_FILE)["mc_sim_7b_63"]]
         rows = []
         for tree in trees:
-            st = Strategy(tree.name, (tree,), StaticPolicy(0), heads if tree.max_depth else None)
+            st = Strategy(tree.name, (tree,), StaticPolicy(0), heads if tree.max_depth else None, book if tree.max_depth else None, rule)
             real = [collect(rt.engine.generate(p, st, GenerationConfig(max_new_tokens=N_NEW))) for p in ids]
             sim = tr.simulate(tr.Tables([tree], traces), StaticPolicy(0).chooser, [t.p0 for t in traces], [1.0])
             rows.append((tree.name, sum(len(r.steps) for r in real), sim.steps, sum(r.new_tokens for r in real), sim.tokens))
@@ -50,7 +51,8 @@ def rollout_vs_simulation(kernels: str, task: str, n_prompts: int):
         # traces keep 6-7 significant digits, so a threshold on a recorded value could split a tie either way
         low, high = _quantiles([v for t in traces for v in t.feature("path_value", bank.max_depth)], 3)
         tau = TauPolicy(0, 2, high, low, "path_value")
-        real = [collect(rt.engine.generate(p, Strategy("tau", bank, tau, heads), GenerationConfig(max_new_tokens=N_NEW))) for p in ids]
+        real = [collect(rt.engine.generate(p, Strategy("tau", bank, tau, heads, book, rule), GenerationConfig(max_new_tokens=N_NEW)))
+                for p in ids]
         sim = tr.simulate(tr.Tables(bank.trees, traces), tau.chooser, [t.feature("path_value", bank.max_depth) for t in traces], [1.0] * 3)
         picks = ([r.tree_index for res in real for r in res.steps], sim.picks)
         return rows, picks
@@ -81,3 +83,14 @@ def test_packed_heads_simulate_exactly(base):
             assert abs(real_steps - sim_steps) <= max(2, 0.05 * real_steps), (name, real_steps, sim_steps)
     if exact:  # measured on the AMD EPYC: every pick of the switching τ equal, on chat and on code
         assert real_picks == sim_picks
+
+
+def test_phrasebook_drafts_simulate_exactly():
+    """The served model drafting with its phrasebook first on the spine (what the shipped banks
+    record): every tree's steps and a τ's picks as the traces recorded with it predict."""
+    rows, (real_picks, sim_picks) = rollout_vs_simulation("q8", "chat", 2, phrasebook=True)
+    for name, real_steps, sim_steps, real_tokens, sim_tokens in rows:
+        assert (real_steps, real_tokens) == (sim_steps, sim_tokens), name
+    assert len(set(real_picks)) > 1, "the τ policy should switch on these thresholds"
+    agree = sum(a == b for a, b in zip(real_picks, sim_picks)) / max(len(real_picks), len(sim_picks))
+    assert agree >= 0.9 and abs(len(real_picks) - len(sim_picks)) <= 2, (agree, len(real_picks), len(sim_picks))

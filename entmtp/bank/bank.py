@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from entmtp.config import PhrasebookRule
 from entmtp.spec.policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import Tree, TopologyError, compile_tree
 from entmtp.bank.traces import Trace
@@ -69,6 +70,13 @@ class TopologyBank:
         raw = json.dumps([[t.as_lists() for t in self.trees], [t.to_json() for t in self.traces],
                           self.meta.get("provenance", {}).get("heads_sha256")], sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    @property
+    def phrasebook_rule(self) -> PhrasebookRule | None:
+        """The rule its traces were drafted under with the model's phrasebook (`spec.phrasebook`), or
+        None: heads alone. The engine must draft alike for the fit to hold."""
+        raw = self.meta.get("provenance", {}).get("phrasebook")
+        return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]))
 
     def smallest(self) -> int:
         return min(range(len(self.trees)), key=lambda i: self.trees[i].n_nodes)
@@ -146,6 +154,11 @@ def parse_bank(raw: Any, where: str = "bank") -> TopologyBank:
     prov = _need(raw, "provenance", where, dict)
     for k in PROVENANCE_FIELDS:
         _need(prov, k, f"{where}.provenance", (str, dict, list, int, float))
+    book = prov.get("phrasebook")
+    if book is not None:
+        w = f"{where}.provenance.phrasebook"
+        if not isinstance(book, dict) or _need(book, "min_n", w, int) < 1 or not 0 < _need(book, "max_head_p", w, (int, float)) <= 2:
+            raise BankError(f"{w}: expected {{\"min_n\": >= 1, \"max_head_p\": in (0, 2]}}, got {book!r}")
     entries = _need(raw, "trees", where, list)
     if not entries:
         raise BankError(f"{where}.trees: empty")

@@ -14,10 +14,11 @@ from entmtp.bank.bank import TopologyBank
 from entmtp.bank.calibrate import time_and_fit
 from entmtp.bank.record import record_all
 from entmtp.bank.traces import accepted_in
-from entmtp.config import ROOT, BankBuildConfig, CalibrateConfig, Progress
+from entmtp.config import ROOT, BankBuildConfig, CalibrateConfig, PhrasebookRule, Progress
 from entmtp.model import serve
 from entmtp.spec.engine import Engine
 from entmtp.spec.heads import DraftHeads
+from entmtp.spec.phrasebook import Phrasebook
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import Tree, compile_tree
 
@@ -118,21 +119,25 @@ def build_bank(
     progress: Progress | None = None,
     baseline: Tree | None = None,
     answers=None,
+    book: Phrasebook | None = None,
 ) -> TopologyBank:
     """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable).
 
-    `answers` (a `data.answers.AnswerStore`) supplies and keeps the greedy continuations."""
+    `answers` (a `data.answers.AnswerStore`) supplies and keeps the greedy continuations. With a
+    phrasebook the traces are drafted with it under `meta["provenance"]["phrasebook"]`'s rule."""
+    rule = meta["provenance"].get("phrasebook")
+    rule = PhrasebookRule(**rule) if rule else PhrasebookRule()
     key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)},
-           "heads": meta["provenance"].get("heads_sha256")}
+           "heads": meta["provenance"].get("heads_sha256"), "phrasebook": meta["provenance"].get("phrasebook")}
     if stages.load("stage0") not in (None, key):
         raise ValueError(f"{stages.work} holds a build with other settings; pass --fresh or another --work")
     stages.save("stage0", key)
     traces = record_all(engine, heads, calib_prompts, cfg.calib_new_tokens, cfg.max_depth,
-                        stages.load("stage1"), lambda t: stages.save("stage1", t), progress, answers)
+                        stages.load("stage1"), lambda t: stages.save("stage1", t), progress, answers, book, rule)
     paths = [t.rank_path(i) for t in traces for i in range(len(t))]
     trees = candidates(paths, cfg)
     bank = TopologyBank(trees, [{} for _ in trees], {"static": StaticPolicy(0)}, meta, traces)
-    fit = time_and_fit(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress)[meta["task"]]
+    fit = time_and_fit(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress, book=book)[meta["task"]]
     bank.shipped_fit = fit
     return bank.with_fit(fit)
 
@@ -157,11 +162,13 @@ def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[li
 
 
 def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: BankBuildConfig, work: Path | None,
-                    fresh: bool, command: str, progress: Progress | None = None) -> TopologyBank:
+                    fresh: bool, command: str, progress: Progress | None = None,
+                    rule: PhrasebookRule | None = PhrasebookRule()) -> TopologyBank:
     """`build_bank` for a loaded runtime (`runtime.Runtime`): its Hydra heads, Hydra's
     default tree scored beside the candidates, provenance filled in. Stages checkpoint under
     `work` (default: checkpoints/bank/<model>/<task>). The default model's greedy continuations
-    come from, and go to, the repository's answer store."""
+    come from, and go to, the repository's answer store. `rule`: draft the traces with the model's
+    phrasebook under it (None: the heads alone)."""
     from entmtp.data.answers import repo_store
 
     heads = rt.heads("hydra")
@@ -178,7 +185,13 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "date": datetime.date.today().isoformat(),
         "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
     }
+    book = None
+    if rule is not None:
+        book = rt.phrasebook()
+        provenance["phrasebook"] = {"min_n": rule.min_n, "max_head_p": rule.max_head_p}
+        provenance["traces"] += (f"; drafted with the phrasebook ({book.n_tokens:,} tokens of stored answers to training "
+                                 "prompts) first on the spine where the rule lets it")
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).trees[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
-                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name, rt.arithmetic))
+                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name, rt.arithmetic), book=book)

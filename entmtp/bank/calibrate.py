@@ -21,11 +21,12 @@ import torch
 
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import fit_task
-from entmtp.config import CalibrateConfig, GenerationConfig, Progress
+from entmtp.config import CalibrateConfig, GenerationConfig, PhrasebookRule, Progress
 from entmtp.machine import describe_fingerprint
 from entmtp.spec import drafting
 from entmtp.spec.engine import Engine, Strategy
 from entmtp.spec.heads import DraftHeads
+from entmtp.spec.phrasebook import Phrasebook
 from entmtp.spec.topology import Tree
 
 
@@ -37,7 +38,8 @@ Turn = Callable[[], ContextManager]  # entered around each block of timed work: 
 
 
 def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
-                  progress: Progress | None = None, turn: Turn = nullcontext) -> tuple[dict[str, float], float, int]:
+                  progress: Progress | None = None, turn: Turn = nullcontext,
+                  book: Phrasebook | None = None) -> tuple[dict[str, float], float, int]:
     """Median ms of one decode step with each tree (keyed by `tree_key`), prefill ms per token,
     and the context they were timed at (`cfg.context`, less where the model's positions run short).
 
@@ -50,7 +52,8 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     one: on the AMD EPYC that made one token 9.3–11.6 ms instead of 8.8 and the 4-node tree 1.8×
     it instead of 2.1×, and a τ switching to 4 nodes measured 5–11% under its static tree.) One
     short untimed round first. EOS is ignored so every round takes its steps; the token values do
-    not change the cost. Each block runs inside `turn()`: a server lets its races in between blocks,
+    not change the cost (with `book`, the phrasebook is asked at every node of the spine as when
+    decoding, whatever it answers). Each block runs inside `turn()`: a server lets its races in between blocks,
     never within one (a block's first step is untimed, so a pause costs no accuracy).
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
@@ -59,7 +62,8 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     bank = TopologyBank.of(*unique)
     run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
     blocks = max(1, -(-cfg.steps // cfg.block))
-    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None)
+    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book,
+                        PhrasebookRule(max_head_p=2.0))  # every node asks it, as a real text's might
     room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
     context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
     g = torch.Generator().manual_seed(0)
@@ -90,7 +94,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
 
 
 def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
-                         turn: Turn = nullcontext) -> dict[str, Any]:
+                         turn: Turn = nullcontext, book: Phrasebook | None = None) -> dict[str, Any]:
     """How a step's cost grows with its context (`bank.predict`): the plain step and the largest
     tree timed at `cfg.context` and at `cfg.short_context`, the two contexts taking turns round by
     round (long, short, short, long, ...) so that the machine's drift hits both alike; per tree
@@ -104,7 +108,7 @@ def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[T
     for r in range(max(1, cfg.rounds)):
         for which in (("long", "short") if r % 2 == 0 else ("short", "long")):
             context = cfg.context if which == "long" else min(cfg.short_context, long_ctx - 1)
-            runs[which].append(measure_costs(engine, heads, pair, replace(cfg, context=context, rounds=1), None, turn))
+            runs[which].append(measure_costs(engine, heads, pair, replace(cfg, context=context, rounds=1), None, turn, book))
             if which == "long":
                 long_ctx = runs["long"][-1][2]  # the context the model had room for
 
@@ -178,12 +182,13 @@ def save_fit(path: Path, fit: dict[str, Any]) -> None:
 
 def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any],
               cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
-              progress: Progress | None = None, turn: Turn = nullcontext) -> dict[str, dict[str, Any]]:
-    """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}."""
+              progress: Progress | None = None, turn: Turn = nullcontext, book: Phrasebook | None = None) -> dict[str, dict[str, Any]]:
+    """Time every candidate tree of `banks` (and `baseline`) here and fit each task. -> {task: fit}.
+    `book`: the phrasebook the banks draft with (steps are timed asking it)."""
     t0 = time.perf_counter()
     trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
-    costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn)
-    context_cost = measure_context_cost(engine, heads, trees, cfg, turn)
+    costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn, book)
+    context_cost = measure_context_cost(engine, heads, trees, cfg, turn, book)
     with turn():
         chain = measure_chain(heads, max(t.max_depth for t in trees))
     measured_s = time.perf_counter() - t0
@@ -214,7 +219,7 @@ def known_fit(bank: TopologyBank, fp: dict[str, Any], cache_root: Path, mode: st
 
 def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBank], fp: dict[str, Any], cache_root: Path,
                  mode: str = "auto", cfg: CalibrateConfig = CalibrateConfig(), baseline: Tree | None = None,
-                 progress: Progress | None = None, turn: Turn = nullcontext) -> dict[str, TopologyBank]:
+                 progress: Progress | None = None, turn: Turn = nullcontext, book: Phrasebook | None = None) -> dict[str, TopologyBank]:
     """Each bank under the fit for this machine.
 
     mode "shipped": the fit saved in the bank file, wherever it was measured. "auto": the file's
@@ -233,7 +238,7 @@ def resolve_fits(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
         if out[task] is None:
             missing[task] = bank
     if missing:
-        for task, fit in time_and_fit(engine, heads, missing, fp, cfg, baseline, progress, turn).items():
+        for task, fit in time_and_fit(engine, heads, missing, fp, cfg, baseline, progress, turn, book).items():
             save_fit(fit_cache_file(cache_root, missing[task], fp), fit)
             out[task] = missing[task].with_fit(fit)
     return out

@@ -8,21 +8,26 @@ from typing import Callable
 
 import torch
 
-from entmtp.config import GenerationConfig, Progress
+from entmtp.config import GenerationConfig, PhrasebookRule, Progress
 from entmtp.model import forward
 from entmtp.spec.engine import Strategy, collect
 from entmtp.spec.heads import DraftHeads, head_features
+from entmtp.spec.phrasebook import Phrasebook, force_row, forcer
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
 from entmtp.bank.traces import WIDTH, Trace
 
 
 @torch.inference_mode()
-def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int], depth: int, width: int = WIDTH) -> Trace:
+def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int], depth: int, width: int = WIDTH,
+           book: Phrasebook | None = None, rule: PhrasebookRule = PhrasebookRule()) -> Trace:
     """The trace of `continuation` (the greedy output for `prompt`), for heads 0..depth-1.
 
     One teacher-forced forward gives the base states at every position; each head then runs once,
-    batched over the positions.
+    batched over the positions. With a phrasebook, ranks and the chain are those the engine drafts
+    with it: at a node of the rank-0 spine its guess may go first (`drafting.top1_chain`), so the
+    true path's rank at depth d is the merged one while the path is still on the spine (every
+    earlier rank 0), and the chain follows the merged spine.
     """
     model, device = engine.model, engine.device
     n = len(continuation)
@@ -49,15 +54,41 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
         if len(rows):
             paths = torch.stack([cont[rows + j] for j in range(d + 1)], dim=1)  # (R, d+1) true path
             z = heads.head_logits(d, feats[rows], paths).float()  # (R, K)
+            if book is not None:
+                spine = [bool((ranks[i, :d] == 0).all()) for i in range(len(rows))]
+                z = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)
             target = inverse[cont[rows + d + 1]]  # (R,) index in the draft vocabulary, -1 if absent
             tz = z.gather(1, target.clamp(min=0)[:, None])
             r = (z > tz).sum(-1)
             ranks[: len(rows), d] = torch.where((target >= 0) & (r < width), r, torch.full_like(r, -1)).cpu()
         z = heads.head_logits(d, feats, top_path).float()  # (N, K) along the heads' own chain
         p, idx = torch.softmax(z, -1).max(-1)
+        if book is not None:  # the chain goes on through the phrasebook's guesses; p stays the head's
+            idx = torch.softmax(_forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n), -1).max(-1)[1]
         chain[:, d] = p.cpu()
         top_path = torch.cat([top_path, heads.to_token_ids(idx)[:, None]], dim=1)
     return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
+
+
+def _forced(book: Phrasebook, rule: PhrasebookRule, heads: DraftHeads, prompt: list[int], continuation: list[int],
+            z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> torch.Tensor:
+    """z (R, K), row i the head's logits at position i after `paths[i]` (the root c[i] and the
+    path on), with the phrasebook's guess made first where `active[i]` and the rule let it go
+    first: the text it reads is the prompt and c[:i], as the engine's is at that step."""
+    text = book.context(prompt)
+    force = forcer(text, rule, heads.draft_vocab)
+    probs = torch.softmax(z, -1).max(-1).values.tolist()
+    out, held = z, 0
+    for i, on in enumerate(active):
+        if not on:
+            continue
+        text.extend(continuation[held:i])
+        held = i
+        forced = force(paths[i], probs[i])
+        if forced is not None:
+            out = out.clone() if out is z else out
+            out[i] = force_row(z[i], forced)
+    return out
 
 
 def draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:
@@ -89,16 +120,18 @@ def stored_greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int,
 
 def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
                done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
-               progress: Progress | None = None, answers=None) -> list[Trace]:
+               progress: Progress | None = None, answers=None, book: Phrasebook | None = None,
+               rule: PhrasebookRule = PhrasebookRule()) -> list[Trace]:
     """Greedy continuations (from `answers`, a `data.answers.AnswerStore`, or through the engine
-    with a small tree for speed, then stored) and their traces; resumable."""
+    with a small tree for speed, then stored) and their traces (drafted with `book` under `rule`
+    where given); resumable."""
     out = list(done or [])
     it = range(len(prompts))
     for i in (progress(it, "traces", len(prompts)) if progress else it):
         if i < len(out):
             continue  # resumed
         cont = stored_greedy(engine, heads, prompts[i], new_tokens, answers)
-        out.append(record(engine, heads, prompts[i], cont, depth).to_json())
+        out.append(record(engine, heads, prompts[i], cont, depth, book=book, rule=rule).to_json())
         if save:
             save(out)
     return [Trace.from_json(t) for t in out]

@@ -26,14 +26,17 @@ from entmtp.config import (
     CalibrateConfig,
     GenerationConfig,
     ModelConfig,
+    PhrasebookRule,
     PromptLookupConfig,
 )
+from entmtp.data.answers import training_answers
 from entmtp.runtime.baselines import hf_generate
 from entmtp.runtime.weights import LoadError, cache_root, eos_ids, load_model, model_slug, resolve_weights
 from entmtp.machine import fingerprint
 from entmtp.bank.calibrate import known_fit, resolve_fits
 from entmtp.spec.engine import Engine, StepRecord, Strategy
 from entmtp.spec.heads import DraftHeads, HeadsError, head_features
+from entmtp.spec.phrasebook import Phrasebook
 from entmtp.spec.headfiles import load_heads
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
@@ -123,6 +126,8 @@ class Runtime:
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
+    _book: Phrasebook | None = None
+    _book_lock: threading.Lock = field(default_factory=threading.Lock)
     _timing: threading.Lock = field(default_factory=threading.Lock)  # one calibration at a time
 
     @property
@@ -136,6 +141,22 @@ class Runtime:
 
     def bank(self, task: str) -> TopologyBank:
         return self.banks([task])[task]
+
+    def phrasebook(self) -> Phrasebook:
+        """The model's phrasebook over its stored answers to training prompts, built on first use
+        (~5 s); a LoadError where the model has no stored answers."""
+        with self._book_lock:
+            if self._book is None:
+                answers = training_answers(self.name, self.encode)
+                if not answers:
+                    raise LoadError(f"{self.name} has no stored answers to build a phrasebook from (only the default model ships them)")
+                self._book = Phrasebook(answers)
+        return self._book
+
+    def book_for(self, bank: TopologyBank) -> tuple[Phrasebook | None, PhrasebookRule]:
+        """The phrasebook and rule a bank's traces were drafted with (None, the default rule: heads alone)."""
+        rule = bank.phrasebook_rule
+        return (None, PhrasebookRule()) if rule is None else (self.phrasebook(), rule)
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -169,9 +190,10 @@ class Runtime:
         with self._timing if timing else contextlib.nullcontext():  # a second caller finds the first one's fit
             if timing and mode != "refit":
                 need = {t: b for t, b in need.items() if t not in self._banks}
+            book = self.phrasebook() if timing and any(b.phrasebook_rule for b in need.values()) else None
             try:
                 got = resolve_fits(self.engine, self.heads("hydra"), need, fp, root, mode, self.calibrate_config,
-                                   self._trees[BASELINE_TREE], progress or self.progress, turn or contextlib.nullcontext)
+                                   self._trees[BASELINE_TREE], progress or self.progress, turn or contextlib.nullcontext, book)
             except BankError as e:
                 raise LoadError(str(e)) from None
             if not keep:
@@ -213,8 +235,9 @@ class Runtime:
         if method in ("hydra", "medusa"):
             return Strategy(method, (self._trees[BASELINE_TREE],), StaticPolicy(0), self.heads(method))
         bank = self.bank(task)
+        book, rule = self.book_for(bank)
         try:
-            return Strategy(method, bank, bank.policy(method.split("-", 1)[1]), self.heads("hydra"))
+            return Strategy(method, bank, bank.policy(method.split("-", 1)[1]), self.heads("hydra"), book, rule)
         except (BankError, ValueError) as e:
             raise LoadError(f"{method}: {e}") from None
 

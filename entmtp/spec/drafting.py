@@ -10,24 +10,41 @@ import warnings
 import torch
 
 from entmtp.spec.heads import DraftHeads
+from entmtp.spec.phrasebook import Forcer, force_row
 from entmtp.spec.topology import Tree
 
 
 def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
-               prefix: tuple[list[torch.Tensor], list[float]] | None = None) -> tuple[list[torch.Tensor], list[float]]:
+               prefix: tuple[list[torch.Tensor], list[float]] | None = None,
+               force: Forcer | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Run heads 0..depth-1 along the top-1 path from the root.
 
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
     top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
-    chain from the same root and feature: its heads are not run again.
+    chain from the same root and feature: its heads are not run again. `force` (a phrasebook's,
+    `phrasebook.forcer`) may put another token first at each node: that row's logits then rank it
+    first (`phrasebook.force_row`), the path goes on through it, and p_d stays the head's own top-1
+    probability.
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
     for row in logits:  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         idx = torch.softmax(row.float(), -1).max(-1)[1]
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    more, p = top1_logits(heads, feature, path, depth)
-    return logits + more, probs + p.tolist()
+    if force is None:
+        more, p = top1_logits(heads, feature, path, depth)
+        return logits + more, probs + p.tolist()
+    for d in range(len(logits), depth):  # a head at a time: the path the next one reads may be the phrasebook's
+        (row,), p = top1_logits(heads, feature, path, d + 1)
+        p = float(p[0])
+        forced = force(path[0].tolist(), p)
+        if forced is not None:
+            row = force_row(row, forced)
+        idx = torch.softmax(row.float(), -1).max(-1)[1]
+        logits.append(row)
+        probs.append(p)
+        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
+    return logits, probs
 
 
 def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -13,11 +13,12 @@ from typing import Any, Iterator
 
 import torch
 
-from entmtp.config import GenerationConfig
+from entmtp.config import GenerationConfig, PhrasebookRule
 from entmtp.model import forward, graphs, kernels, kv
 from entmtp.model.gguf import q8_inputs
 from entmtp.spec import drafting, verify
 from entmtp.spec.heads import DraftHeads
+from entmtp.spec.phrasebook import Phrasebook, forcer
 from entmtp.spec.policy import Policy, confidence, feature_value, path_value
 from entmtp.spec.topology import Tree, chain_paths, compile_tree
 
@@ -37,6 +38,8 @@ class Strategy:
     trees: tuple[Tree, ...]
     policy: Policy
     heads: DraftHeads | None = None
+    book: Phrasebook | None = None  # a phrasebook's guesses go first on the drafted spine where `rule` says
+    rule: PhrasebookRule = PhrasebookRule()
 
     def __post_init__(self):
         object.__setattr__(self, "trees", tuple(self.trees))
@@ -175,6 +178,8 @@ class Engine:
         rng = torch.Generator().manual_seed(gen.seed)
         choose = strategy.policy.chooser()
         ctx = heads.new_context() if heads is not None else None
+        text = strategy.book.context(prompt_ids) if strategy.book is not None and heads is not None else None
+        force = forcer(text, strategy.rule, heads.draft_vocab) if text is not None else None
         cache = self._request_cache(len(prompt_ids) + gen.max_new_tokens + max(t.n_nodes for t in trees) + 1)
 
         clock = _clock(device)  # on CUDA each reading waits for the queued kernels
@@ -192,7 +197,7 @@ class Engine:
         # a policy on the path value reads g_d through its own depth (0: the deepest tree's)
         feature_depth = min(strategy.policy.depth or strategy.max_depth, strategy.max_depth)
         # on CUDA with graphs the heads' chain and expansion replay as one graph per tree
-        drafts = self.drafts if heads is not None else None
+        drafts = self.drafts if heads is not None and force is None else None  # a phrasebook's spine is decided on the host
         smallest = min(range(len(trees)), key=lambda i: trees[i].n_nodes)
         while True:
             t0 = clock()
@@ -202,7 +207,7 @@ class Engine:
             chain, chain_probs = [], []
             if feature_name == "path_value" and heads is not None:
                 chain, chain_probs = (drafts.top1_chain(heads, feature, root, feature_depth) if drafts is not None
-                                      else drafting.top1_chain(heads, feature, root, feature_depth))
+                                      else drafting.top1_chain(heads, feature, root, feature_depth, force=force))
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
             idx = choose(feat)
             if past + trees[idx].n_nodes > self.max_positions:
@@ -212,7 +217,7 @@ class Engine:
             captured = drafts is not None and tree.n_nodes > 1
             if not captured:
                 if len(chain) < depth:
-                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, (chain, chain_probs))
+                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, (chain, chain_probs), force)
                 chain, chain_probs = chain[:depth], chain_probs[:depth]
             t1 = clock()
             # draft
@@ -244,6 +249,8 @@ class Engine:
             z = logits[path[-1]]
             if ctx is not None:
                 feature = ctx.observe(hidden[path])
+            if text is not None:
+                text.extend(tok_list[i] for i in path)
             t5 = clock()
 
             emitted = [tok_list[i] for i in path]

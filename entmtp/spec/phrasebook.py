@@ -15,9 +15,12 @@ a bank's traces and the engine see the same proposals.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import torch
+
+from entmtp.config import PhrasebookRule
 
 MAX_N = 8  # the longest suffix looked up
 _MUL = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
@@ -133,3 +136,33 @@ class Context:
             if hit is not None:
                 return Proposal(hit[0], n, hit[1] / hit[2], False)
         return None
+
+
+Forcer = Callable[[Sequence[int], float], "int | None"]  # (spine path from the root, head's top-1 prob) -> draft index
+
+
+def forcer(ctx: Context, rule: PhrasebookRule, draft_vocab: torch.Tensor) -> Forcer:
+    """What drafting asks at each node of the rank-0 spine: the draft-vocabulary index of the
+    phrasebook's guess for the token after `path` (the root and the spine so far, after the text of
+    `ctx`), where `rule` lets it go first, else None. A guess outside the heads' draft vocabulary
+    (empty: the whole vocabulary) cannot be drafted and is passed over."""
+    ids = draft_vocab.tolist()
+    index = {t: i for i, t in enumerate(ids)} if ids else None
+
+    def force(path: Sequence[int], head_p: float) -> int | None:
+        if head_p >= rule.max_head_p:
+            return None
+        guess = ctx.propose(path, rule.min_n)
+        if guess is None:
+            return None
+        return guess.token if index is None else index.get(guess.token)
+
+    return force
+
+
+def force_row(row: torch.Tensor, index: int) -> torch.Tensor:
+    """The head's logits (K,) with draft index `index` made the largest: its top-k is then the
+    guess followed by the head's own ranking of the rest (the merged ranking drafting and traces share)."""
+    row = row.clone()
+    row[index] = row.max() + 1.0
+    return row

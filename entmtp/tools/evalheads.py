@@ -59,16 +59,20 @@ def eval_trees() -> dict[str, Any]:
             **{name: compile_tree(paths) for name, paths in SMALL_TREES.items()}}
 
 
-def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]], trees: dict[str, Any] | None = None
-                ) -> dict[str, tuple[list[int], list[int]]]:
-    """Per tree, per prompt (tokens, steps) of `kind`'s heads, from exact traces (one record per prompt)."""
+def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]], trees: dict[str, Any] | None = None,
+                phrasebook: bool = False) -> dict[str, tuple[list[int], list[int]]]:
+    """Per tree, per prompt (tokens, steps) of `kind`'s heads, from exact traces (one record per
+    prompt); `phrasebook`: drafting with the model's phrasebook first on the spine (the default rule)."""
+    from entmtp.config import PhrasebookRule
+
     from entmtp.bank.record import record
     from entmtp.bank.traces import decode_with
 
     trees = trees or eval_trees()
     depth = max(t.max_depth for t in trees.values())
     heads = rt.heads(kind)
-    traces = [record(rt.engine, heads, p, c, depth) for p, c in zip(prompts, conts)]
+    book = rt.phrasebook() if phrasebook else None
+    traces = [record(rt.engine, heads, p, c, depth, book=book, rule=PhrasebookRule()) for p, c in zip(prompts, conts)]
     out = {}
     for name, tree in trees.items():
         pairs = [decode_with(tree, tr) for tr in traces]
@@ -77,11 +81,13 @@ def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]],
 
 
 def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tokens: int, work: Path, cache_root: Path,
-             log: Callable[[str], None] | None = None, progress: Callable | None = None) -> dict[str, Any]:
+             log: Callable[[str], None] | None = None, progress: Callable | None = None, phrasebook: bool = False) -> dict[str, Any]:
     """Evaluate the runtime's heads of each kind; `log` receives the human-readable lines.
 
     Returns {"heldout": {kind: per-head accuracy}, "train_sample": {kind: per-head accuracy or None},
-    "accepted": {kind: {task: row}}, "max_new_tokens"}.
+    "accepted": {kind: {task: row}}, "max_new_tokens"}; with `phrasebook`, also
+    "phrasebook": {kind: {"accepted": ..., "small_trees": ...}} for Hydra heads drafting with the
+    model's phrasebook first on the spine (what the shipped banks record).
     """
     log = log or (lambda line: print(line, flush=True))
     from entmtp.data.prompts import eval_set
@@ -113,17 +119,23 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
             beside = f"   training top-1 {seen[i]['top1']:.3f}" if seen and i < len(seen) else ""
             log(f"  head {i}: top-1 {h['top1']:.3f}  top-5 {h['top5']:.3f}  (n={h['n']}){beside}")
         report["accepted"][kind], report["small_trees"][kind] = {}, {}
-        for name, prompts in items.items():
-            for tree, (tokens, steps) in accepted_on(rt, kind, prompts, conts[name]).items():
-                lo, hi = bootstrap_ci(tokens, steps)
-                row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
-                       "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
-                if tree == BASELINE_TREE:
-                    report["accepted"][kind][name] = row
-                else:
-                    report["small_trees"][kind].setdefault(tree, {})[name] = row
-                log(f"  {kind} ({tree}) on {name} eval: {row['mean_accepted']:.3f} tokens/step, 95% CI "
-                    f"[{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
+        books = [False, True] if phrasebook and kind == "hydra" else [False]
+        for book in books:
+            into = report["accepted"][kind], report["small_trees"][kind]
+            if book:
+                into = ({}, {})
+                report.setdefault("phrasebook", {})[kind] = {"accepted": into[0], "small_trees": into[1]}
+            for name, prompts in items.items():
+                for tree, (tokens, steps) in accepted_on(rt, kind, prompts, conts[name], phrasebook=book).items():
+                    lo, hi = bootstrap_ci(tokens, steps)
+                    row = {"prompts": len(prompts), "tokens": sum(tokens), "steps": sum(steps),
+                           "mean_accepted": round(sum(tokens) / max(1, sum(steps)), 4), "ci95": [round(lo, 4), round(hi, 4)]}
+                    if tree == BASELINE_TREE:
+                        into[0][name] = row
+                    else:
+                        into[1].setdefault(tree, {})[name] = row
+                    log(f"  {kind}{' + phrasebook' if book else ''} ({tree}) on {name} eval: {row['mean_accepted']:.3f} tokens/step, "
+                        f"95% CI [{lo:.3f}, {hi:.3f}] ({row['tokens']} tokens, {row['steps']} steps, {len(prompts)} prompts)")
     return report
 
 
@@ -147,5 +159,7 @@ def record_in(folder: Path, kind: str, report: dict[str, Any], served: str) -> P
         "accepted": report["accepted"][kind], "small_trees": report["small_trees"][kind],
         "heldout": report["heldout"][kind],
     }
+    if kind in report.get("phrasebook", {}):
+        meta["provenance"]["evaluation"]["phrasebook"] = report["phrasebook"][kind]
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return path

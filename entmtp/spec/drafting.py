@@ -31,27 +31,17 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     for row in logits:  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         idx = torch.softmax(row.float(), -1).max(-1)[1]
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    if force is None:
-        more, p = top1_logits(heads, feature, path, depth)
-        return logits + more, probs + p.tolist()
-    for d in range(len(logits), depth):  # a head at a time: the path the next one reads may be the phrasebook's
-        (row,), p = top1_logits(heads, feature, path, d + 1)
-        p = float(p[0])
-        forced = force(path[0].tolist(), p)
-        if forced is not None:
-            row = force_row(row, forced)
-        idx = torch.softmax(row.float(), -1).max(-1)[1]
-        logits.append(row)
-        probs.append(p)
-        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    return logits, probs
+    more, p = top1_logits(heads, feature, path, depth, force)
+    return logits + more, probs + p.tolist()
 
 
-def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
+                force: Forcer | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The top-1 chain on the device, from `path` (1, d+1) = root and the chain's first d tokens
     on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
-    (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it."""
-    fast = heads.top1_on_blocks(feature, path, depth)  # Q8-block heads on a CPU: one extension call, the same bits
+    (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it (not with
+    `force`, which reads each node's path and probability on the host)."""
+    fast = heads.top1_on_blocks(feature, path, depth, force)  # Q8-block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
     h = feature[None]  # (1, H)
@@ -59,6 +49,10 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     for d in range(path.shape[1] - 1, depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
+        forced = force(path[0].tolist(), float(p)) if force is not None else None
+        if forced is not None:
+            row = force_row(row, forced)
+            idx = torch.tensor(forced, device=row.device)
         logits.append(row)
         probs.append(p)
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)

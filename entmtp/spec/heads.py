@@ -235,13 +235,15 @@ class DraftHeads(nn.Module):
         """Head i's ResBlocks, in order."""
         raise NotImplementedError
 
-    def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int,
+                       force=None) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """`drafting.top1_logits` in one extension call where the heads are on Q8 blocks (the same
         bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1 and their
-        top-1 probabilities; None elsewhere."""
+        top-1 probabilities; None elsewhere. `force`: `drafting.top1_logits`'s."""
         if self._chain is None or feature.device.type != "cpu":
             return None
-        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth)
+        ask = None if force is None else (lambda p, prob: -1 if (i := force(p, prob)) is None else i)  # noqa: E731
+        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, ask)
         return list(logits.unbind(0)), probs
 
     def _whole_blocks(self) -> bool:

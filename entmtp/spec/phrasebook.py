@@ -28,9 +28,10 @@ _MASK = (1 << 64) - 1
 
 
 def ngram_hash(tokens: Sequence[int]) -> int:
-    """h = ((h ^ (t + 1)) * _MUL) mod 2^64 over the tokens in order (the arrays' hash, one n-gram)."""
+    """h = ((h ^ (t + 1)) * _MUL) mod 2^64 over the tokens from the last to the first (the tables'
+    hash, one n-gram): every suffix's hash is a step of the next longer one's."""
     h = 0
-    for t in tokens:
+    for t in reversed(tokens):
         h = ((h ^ (int(t) + 1)) * _MUL) & _MASK
     return h
 
@@ -57,7 +58,7 @@ def _table(tokens: np.ndarray, offset: np.ndarray, n: int) -> Table:
     at = np.nonzero(offset >= n)[0]  # positions whose n tokens before lie in the same sequence
     h = np.zeros(len(at), dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for j in range(n, 0, -1):
+        for j in range(1, n + 1):  # the last token first, as `ngram_hash`
             h = (h ^ (tokens[at - j].astype(np.uint64) + np.uint64(1))) * np.uint64(_MUL)
     nxt = tokens[at]
     order = np.lexsort((nxt, h))
@@ -126,17 +127,21 @@ class Context:
         `min_n` tokens) seen in the text so far, else in the book; the most frequent follower there
         (in the text: the first seen on a tie)."""
         seq = self.tokens[-self.book.max_n :] + [int(t) for t in extra]
-        for n in range(min(self.book.max_n, len(seq)), min_n - 1, -1):
+        top = min(self.book.max_n, len(seq))
+        hashes, h = [0], 0  # hashes[n]: the last n tokens' (`ngram_hash`), one pass
+        for t in reversed(seq[-top:]):
+            h = ((h ^ (t + 1)) * _MUL) & _MASK
+            hashes.append(h)
+        for n in range(top, min_n - 1, -1):
             gram = tuple(seq[-n:])
             nexts = self._seen.get(gram)
             if nexts:
                 token = max(nexts, key=nexts.get)  # the first seen of the largest count
                 return Proposal(token, n, nexts[token] / sum(nexts.values()), True)
-            hit = self.book.tables[n].get(ngram_hash(gram))
+            hit = self.book.tables[n].get(hashes[n])
             if hit is not None:
                 return Proposal(hit[0], n, hit[1] / hit[2], False)
         return None
-
 
 Forcer = Callable[[Sequence[int], float], "int | None"]  # (spine path from the root, head's top-1 prob) -> draft index
 

@@ -69,7 +69,8 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
   return x;
 }
 
-std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth) const {
+std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
+                                                    c10::optional<Force> force) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   TORCH_CHECK(!path.empty() && depth <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
   const bool grounded = present(embed);
@@ -91,9 +92,19 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
     auto z = lm[d](hidden_of(d, x), isa);  // (1, K)
     // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
     const auto p = at::softmax(z, -1).contiguous();
-    const int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
-    const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
+    int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
     probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[idx];
+    const int64_t forced = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx])) : -1;
+    if (forced >= 0) {  // phrasebook.force_row: the row's maximum + 1 there (float32, as ATen adds)
+      TORCH_CHECK(forced < z.numel(), "HeadChain: a forced draft index ", forced, " is outside the ", z.numel(), " rows");
+      z = z.contiguous();
+      float* zp = z.data_ptr<float>();
+      float mx = zp[0];
+      for (int64_t k = 1; k < z.numel(); ++k) mx = zp[k] > mx ? zp[k] : mx;
+      zp[forced] = mx + 1.0f;
+      idx = forced;
+    }
+    const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
     rows.push_back(z);
     path.push_back(token);
   }

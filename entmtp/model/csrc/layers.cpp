@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>  // for the Python module at the end, the only source that needs it
+#include <pybind11/functional.h>     // HeadChain::chain's `force`, a Python callable
 #include <immintrin.h>
 
 #include <cmath>
@@ -520,5 +521,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
-      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs)");
+      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs)",
+           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none());
 }

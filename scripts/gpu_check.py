@@ -375,8 +375,8 @@ def run(device: torch.device, quick: bool, cuda_graphs: bool = True) -> dict:
     strategies = [rt.strategy(m) for m in ("ar", "hydra", "medusa")]
     for task in TASKS if not quick else TASKS[:1]:
         for p in ("static", "ladder", "tau"):
-            s = rt.strategy(f"entmtp-{p}", task)
-            strategies.append(Strategy(f"entmtp-{p}/{task}", s.trees, s.policy, s.heads))
+            bank = rt.bank(task)  # random weights, no tokenizer: the banks' trees and policies, the heads alone
+            strategies.append(Strategy(f"entmtp-{p}/{task}", bank, bank.policy(p), rt.heads("hydra")))
     if not quick:
         strategies += tree_strategies(trees, rt.heads("hydra"), "hydra")
     c, f, t = check(model, rt.engine, strategies, prompts, refs, sizes.new_tokens, "default-arch")

@@ -65,7 +65,7 @@ def head_probabilities(rt, heads, prefix: list[int], tree, draft_tokens: list[in
 def lesson_step(rt, bank: TopologyBank, policy: Policy, label: str, prompt_ids: list[int], gen: GenerationConfig, k: int) -> dict[str, Any]:
     """Step k (from 1) of EntMTP on this prompt, explained, as plain data for the page."""
     heads = rt.heads("hydra")
-    steps = rt.engine.generate(prompt_ids, Strategy(label, bank, policy, heads), gen)
+    steps = rt.engine.generate(prompt_ids, Strategy(label, bank, policy, heads, *rt.book_for(bank)), gen)
     records = list(itertools.islice(steps, k + 1))
     steps.close()
     k = min(k, len(records))

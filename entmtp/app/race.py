@@ -368,7 +368,7 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
     (`Models.runtime_lock`): races set up on one runtime one at a time."""
     policy, label = entmtp_policy(bank, req)
     with lock:  # heads load lazily inside the runtime
-        ent_s = Strategy(f"entmtp-{req.policy}", bank, policy, rt.heads("hydra"))
+        ent_s = Strategy(f"entmtp-{req.policy}", bank, policy, rt.heads("hydra"), *rt.book_for(bank))  # the phrasebook: built once, here
         base_s = rt.strategy(req.baseline, req.task)
         if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
             # the first forward of each new shape builds kernels: keep that off both clocks

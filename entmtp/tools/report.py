@@ -627,6 +627,15 @@ def evaluation_lines(kind: str, ev: dict | None) -> list[str]:
     for name, row in ev["accepted"].items():
         small = [ev["small_trees"].get(t, {}).get(name) for t in ev["trees"]]
         lines.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
+    book = ev.get("phrasebook")
+    if book:  # eval-heads --phrasebook: the same heads drafting with the model's phrasebook first on the spine
+        lines += ["", f"The same heads drafting with the model's phrasebook first on the rank-0 spine, as the shipped banks do "
+                  "(`eval-heads --phrasebook`; [below](#the-phrasebook-the-models-own-answers-beside-the-first-head-shipped-in-the-banks)):", "",
+                  "| set | prompts | " + " | ".join(f"`{t}`" if t == ev["tree"] else f"{t} tree" for t in trees) + " |",
+                  "|---|---|" + "---|" * len(trees)]
+        for name, row in book["accepted"].items():
+            small = [book["small_trees"].get(t, {}).get(name) for t in ev["trees"]]
+            lines.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
     return lines + [""]
 
 

@@ -614,28 +614,30 @@ def targets_markdown() -> str:
 
 
 def evaluation_lines(kind: str, ev: dict | None) -> list[str]:
-    """The accepted lengths `eval-heads --record` wrote into heads.json, per evaluation set and tree."""
+    """The accepted lengths `eval-heads --record` wrote into heads.json, per evaluation set and
+    tree; with `--phrasebook`, a second table for the heads drafting with the model's phrasebook."""
     if not ev:
         return []
     trees = [ev["tree"], *ev["trees"]]
     cell = lambda r: f"{r['mean_accepted']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]" if r else DASH  # noqa: E731
+
+    def table(accepted: dict, small_trees: dict) -> list[str]:
+        rows = ["| set | prompts | " + " | ".join(f"`{t}`" if t == ev["tree"] else f"{t} tree" for t in trees) + " |",
+                "|---|---|" + "---|" * len(trees)]
+        for name, row in accepted.items():
+            small = [small_trees.get(t, {}).get(name) for t in ev["trees"]]
+            rows.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
+        return rows
+
     lines = [f"Accepted tokens per step of `{kind}` on the evaluation sets (`eval-heads --record`, {ev['date']}; "
              f"{ev['method']}, up to {ev['max_new_tokens']} new tokens, served arithmetic {ev['served']}; "
              "95% bootstrap intervals over prompts; everyday: chat's everyday requests, `data/everyday/`):", "",
-             "| set | prompts | " + " | ".join(f"`{t}`" if t == ev["tree"] else f"{t} tree" for t in trees) + " |",
-             "|---|---|" + "---|" * len(trees)]
-    for name, row in ev["accepted"].items():
-        small = [ev["small_trees"].get(t, {}).get(name) for t in ev["trees"]]
-        lines.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
+             *table(ev["accepted"], ev["small_trees"])]
     book = ev.get("phrasebook")
     if book:  # eval-heads --phrasebook: the same heads drafting with the model's phrasebook first on the spine
-        lines += ["", f"The same heads drafting with the model's phrasebook first on the rank-0 spine, as the shipped banks do "
+        lines += ["", "The same heads drafting with the model's phrasebook first on the rank-0 spine, as the shipped banks do "
                   "(`eval-heads --phrasebook`; [below](#the-phrasebook-the-models-own-answers-beside-the-first-head-shipped-in-the-banks)):", "",
-                  "| set | prompts | " + " | ".join(f"`{t}`" if t == ev["tree"] else f"{t} tree" for t in trees) + " |",
-                  "|---|---|" + "---|" * len(trees)]
-        for name, row in book["accepted"].items():
-            small = [book["small_trees"].get(t, {}).get(name) for t in ev["trees"]]
-            lines.append(f"| {name} | {row['prompts']} | " + " | ".join(cell(r) for r in [row, *small]) + " |")
+                  *table(book["accepted"], book["small_trees"])]
     return lines + [""]
 
 

@@ -373,6 +373,8 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
     if not per_task:
         raise UsageError(f"--prompts names none of the tasks {', '.join(tasks)}")
     rt = _runtime(args)
+    if args.phrasebook and rt.phrasebook() is None:
+        raise UsageError(f"--phrasebook: {rt.name} ships no stored answers to build a phrasebook from (only the default model does)")
     kinds = _kinds(args.kind)
     folders = {"hydra": args.heads, "medusa": args.medusa_heads}
     folders = {k: Path(folders[k]) if folders[k] else default_heads_dir(args.model, k) for k in kinds}

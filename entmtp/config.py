@@ -96,11 +96,13 @@ class BankBuildConfig:
 @dataclass(frozen=True)
 class PhrasebookRule:
     """When the phrasebook's guess goes first at a node of the drafted spine (`spec.phrasebook`):
-    its suffix matched at least `min_n` tokens and the head's top-1 probability there is below
-    `max_head_p`. Chosen on the banks' calibration prompts (scripts/phrasebook_probe.py)."""
+    its suffix matched at least `min_n` tokens, the guess followed that suffix at least `min_share`
+    of the times it was seen, and the head's top-1 probability there is below `max_head_p`. Chosen
+    on the banks' calibration prompts (scripts/phrasebook_probe.py)."""
 
-    min_n: int = 2
-    max_head_p: float = 0.5
+    min_n: int = 1
+    max_head_p: float = 0.7
+    min_share: float = 0.85
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ At every position of the greedy continuations (128 new tokens), beside the first
 (exact, from the same teacher-forced pass `build-bank` records), the phrasebook's proposal
 (`entmtp.spec.phrasebook`: the longest suffix of the prompt and the text so far, found in the text
 itself or in the stored answers to training prompts, `data.answers.training_answers`).
-A rule puts the proposal first when its suffix has at least M tokens and the head's top-1
-probability is below P; M and P are chosen on the calibration prompts (the banks' own), then the
-evaluation sets are scored with them. Reported per set: the head's top-1 rate, the rule's (what a
+A rule puts the proposal first when its suffix has at least M tokens, the proposal followed that
+suffix at least a share S of the times, and the head's top-1 probability is below P; M, S and P
+are chosen on the calibration prompts (the banks' own), then the evaluation sets are scored with
+them. Reported per set: the head's top-1 rate, the rule's (what a
 2-node tree would accept beyond the root), and the rate at which the true token is among the
 first two of the merged ranking (a 3-node tree: the root and two guesses for the next token).
 
@@ -38,6 +39,7 @@ from entmtp.spec.phrasebook import Phrasebook  # noqa: E402
 EVAL_SIZES = {"code": 16, "math": 16, "chat": 48, "everyday": 72}  # eval-heads' sets
 M_GRID = range(1, 9)
 P_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
+S_GRID = (0.0, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
 def positions(rt, heads, book, prompts: list[list[int]], store, task: str) -> list[tuple]:
@@ -54,11 +56,15 @@ def positions(rt, heads, book, prompts: list[list[int]], store, task: str) -> li
     return rows
 
 
-def score(rows: list[tuple], m: int, p: float) -> tuple[float, float]:
-    """(first guess right, true token among the first two) under the rule (m, p)."""
+def fires(prop, prob: float, m: int, p: float, s: float) -> bool:
+    return prop is not None and prop.n >= m and prop.share >= s and prob < p
+
+
+def score(rows: list[tuple], m: int, p: float, s: float) -> tuple[float, float]:
+    """(first guess right, true token among the first two) under the rule (m, p, s)."""
     first = two = 0
     for top1, top2, prob, prop, true in rows:
-        if prop is not None and prop.n >= m and prob < p:
+        if fires(prop, prob, m, p, s):
             hit = prop.token == true
             first += hit
             two += hit or top1  # the head's top-1 comes second (the same token: its top-2 does)
@@ -80,18 +86,20 @@ def main() -> None:
     with torch.inference_mode():
         calib = {t: positions(rt, heads, book, [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]], stored, "calib")
                  for t in TASKS}
-        best = max(((m, p) for m in M_GRID for p in P_GRID), key=lambda mp: sum(score(calib[t], *mp)[0] for t in TASKS))
+        best = max(((m, p, s) for m in M_GRID for p in P_GRID for s in S_GRID),
+                   key=lambda mps: sum(score(calib[t], *mps)[0] for t in TASKS))
         evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
         sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
                 for name in EVAL_SETS}
     out = {"hardware": hardware(), "date": datetime.date.today().isoformat(), "book_tokens": book.n_tokens,
-           "rule": {"min_n": best[0], "max_head_p": best[1], "chosen_on": "calibration prompts (the banks' 24 a task)"},
+           "rule": {"min_n": best[0], "max_head_p": best[1], "min_share": best[2],
+                    "chosen_on": "calibration prompts (the banks' 24 a task)"},
            "calib": {}, "eval": {}, "seconds": round(time.time() - t0, 1)}
     for split, data in (("calib", calib), ("eval", sets)):
         for name, rows in data.items():
             rule1, rule2 = score(rows, *best)
-            head1, head2 = score(rows, 99, 0.0)
-            fired = sum(1 for r in rows if r[3] is not None and r[3].n >= best[0] and r[2] < best[1]) / len(rows)
+            head1, head2 = score(rows, 99, 0.0, 0.0)
+            fired = sum(1 for r in rows if fires(r[3], r[2], *best)) / len(rows)
             out[split][name] = {"positions": len(rows), "head_top1": round(head1, 4), "head_top2": round(head2, 4),
                                 "book_first": round(rule1, 4), "book_or_head": round(rule2, 4), "book_used": round(fired, 4)}
             print(f"{split} {name}: {len(rows)} positions, head top-1 {head1:.3f} (top-2 {head2:.3f}); phrasebook first "

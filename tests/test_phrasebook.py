@@ -97,7 +97,7 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact():
     ref = reference(model, prompt, 40)
     noisy = [t if rng.random() < 0.7 else rng.randrange(96) for t in ref]  # right guesses and wrong ones
     book = Phrasebook([prompt + ref[:15], noisy, noisy[5:] + noisy[:5]] + _sequences(2))
-    rule = PhrasebookRule(min_n=2, max_head_p=1.01)  # the heads here are random: let the book go first at any probability
+    rule = PhrasebookRule(min_n=2, max_head_p=1.01, min_share=0.0)  # random heads: let the book go first at any probability
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
     plain = rec.record(engine, heads, prompt, ref, 3)
     trace = rec.record(engine, heads, prompt, ref, 3, book=book, rule=rule)

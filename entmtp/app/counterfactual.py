@@ -24,7 +24,8 @@ def counterfactual(rt, bank: TopologyBank, policy: Policy, label: str, prompt_id
                    records: list[StepRecord]) -> dict[str, Any]:
     """Plain data for the page: per race step, each tree's accepted length, the tree picked and the
     foresight pick; per tree and policy, tokens/step and tokens/s predicted at this machine's costs."""
-    trace = record(rt.engine, rt.heads("hydra"), prompt_ids, ids, bank.max_depth)
+    book, rule = rt.book_for(bank)  # drafted as the race drafted: with the bank's phrasebook where it has one
+    trace = record(rt.engine, rt.heads("hydra"), prompt_ids, ids, bank.max_depth, book=book, rule=rule)
     tables = Tables(list(bank.trees), [trace])
     costs = [st.get("step_ms") or 0.0 for st in bank.stats]
     prefill = bank.fit.get("prefill_ms_per_token", 0.0)

@@ -76,7 +76,7 @@ class TopologyBank:
         """The rule its traces were drafted under with the model's phrasebook (`spec.phrasebook`), or
         None: heads alone. The engine must draft alike for the fit to hold."""
         raw = self.meta.get("provenance", {}).get("phrasebook")
-        return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]))
+        return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]), float(raw.get("min_share", 0.0)))
 
     def smallest(self) -> int:
         return min(range(len(self.trees)), key=lambda i: self.trees[i].n_nodes)
@@ -157,8 +157,9 @@ def parse_bank(raw: Any, where: str = "bank") -> TopologyBank:
     book = prov.get("phrasebook")
     if book is not None:
         w = f"{where}.provenance.phrasebook"
-        if not isinstance(book, dict) or _need(book, "min_n", w, int) < 1 or not 0 < _need(book, "max_head_p", w, (int, float)) <= 2:
-            raise BankError(f"{w}: expected {{\"min_n\": >= 1, \"max_head_p\": in (0, 2]}}, got {book!r}")
+        if (not isinstance(book, dict) or _need(book, "min_n", w, int) < 1 or not 0 < _need(book, "max_head_p", w, (int, float)) <= 2
+                or not 0 <= book.get("min_share", 0) <= 1):
+            raise BankError(f"{w}: expected {{\"min_n\": >= 1, \"max_head_p\": in (0, 2], \"min_share\": in [0, 1]}}, got {book!r}")
     entries = _need(raw, "trees", where, list)
     if not entries:
         raise BankError(f"{where}.trees: empty")

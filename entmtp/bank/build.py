@@ -185,10 +185,9 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "date": datetime.date.today().isoformat(),
         "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
     }
-    book = None
-    if rule is not None:
-        book = rt.phrasebook()
-        provenance["phrasebook"] = {"min_n": rule.min_n, "max_head_p": rule.max_head_p}
+    book = rt.phrasebook() if rule is not None else None
+    if book is not None:
+        provenance["phrasebook"] = {"min_n": rule.min_n, "max_head_p": rule.max_head_p, "min_share": rule.min_share}
         provenance["traces"] += (f"; drafted with the phrasebook ({book.n_tokens:,} tokens of stored answers to training "
                                  "prompts) first on the spine where the rule lets it")
     ids = [rt.encode(t) for t in texts]

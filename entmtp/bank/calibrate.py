@@ -63,7 +63,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
     blocks = max(1, -(-cfg.steps // cfg.block))
     strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book,
-                        PhrasebookRule(max_head_p=2.0))  # every node asks it, as a real text's might
+                        PhrasebookRule(max_head_p=2.0, min_share=0.0))  # every node asks it, as a real text's might
     room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
     context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
     g = torch.Generator().manual_seed(0)

@@ -126,7 +126,7 @@ class Runtime:
     _heads: dict[str, DraftHeads] = field(default_factory=dict)
     _trees: dict = field(default_factory=dict)
     _banks: dict[str, TopologyBank] = field(default_factory=dict)
-    _book: Phrasebook | None = None
+    _book: Phrasebook | bool | None = None  # False: the model ships no stored answers
     _book_lock: threading.Lock = field(default_factory=threading.Lock)
     _timing: threading.Lock = field(default_factory=threading.Lock)  # one calibration at a time
 
@@ -142,21 +142,22 @@ class Runtime:
     def bank(self, task: str) -> TopologyBank:
         return self.banks([task])[task]
 
-    def phrasebook(self) -> Phrasebook:
+    def phrasebook(self) -> Phrasebook | None:
         """The model's phrasebook over its stored answers to training prompts, built on first use
-        (~5 s); a LoadError where the model has no stored answers."""
+        (~6 s on the 2-core AMD EPYC); None for a model that ships no stored answers."""
         with self._book_lock:
             if self._book is None:
                 answers = training_answers(self.name, self.encode)
-                if not answers:
-                    raise LoadError(f"{self.name} has no stored answers to build a phrasebook from (only the default model ships them)")
-                self._book = Phrasebook(answers)
-        return self._book
+                self._book = Phrasebook(answers) if answers else False
+        return self._book or None
 
     def book_for(self, bank: TopologyBank) -> tuple[Phrasebook | None, PhrasebookRule]:
-        """The phrasebook and rule a bank's traces were drafted with (None, the default rule: heads alone)."""
+        """The phrasebook and rule a bank's traces were drafted with; (None, the default rule) for a
+        bank drafted by the heads alone, or a model without stored answers (its drafts then differ
+        from the traces', so the fit's predictions do; the output never does)."""
         rule = bank.phrasebook_rule
-        return (None, PhrasebookRule()) if rule is None else (self.phrasebook(), rule)
+        book = self.phrasebook() if rule is not None else None
+        return (None, PhrasebookRule()) if book is None else (book, rule)
 
     @property
     def fingerprint(self) -> dict[str, Any]:

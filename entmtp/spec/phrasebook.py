@@ -158,7 +158,7 @@ def forcer(ctx: Context, rule: PhrasebookRule, draft_vocab: torch.Tensor) -> For
         if head_p >= rule.max_head_p:
             return None
         guess = ctx.propose(path, rule.min_n)
-        if guess is None:
+        if guess is None or guess.share < rule.min_share:
             return None
         return guess.token if index is None else index.get(guess.token)
 

@@ -22,6 +22,12 @@ class BankError(ValueError):
     """A bank file that does not follow the schema; the message names the bad field."""
 
 
+def phrasebook_rule(provenance: dict[str, Any]) -> PhrasebookRule | None:
+    """The phrasebook rule a bank's provenance names (`provenance.phrasebook`), or None."""
+    raw = provenance.get("phrasebook")
+    return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]), float(raw.get("min_share", 0.0)))
+
+
 @dataclass
 class TopologyBank:
     """Trees compiled once; a decode step switches trees by index.
@@ -75,8 +81,7 @@ class TopologyBank:
     def phrasebook_rule(self) -> PhrasebookRule | None:
         """The rule its traces were drafted under with the model's phrasebook (`spec.phrasebook`), or
         None: heads alone. The engine must draft alike for the fit to hold."""
-        raw = self.meta.get("provenance", {}).get("phrasebook")
-        return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]), float(raw.get("min_share", 0.0)))
+        return phrasebook_rule(self.meta.get("provenance", {}))
 
     def smallest(self) -> int:
         return min(range(len(self.trees)), key=lambda i: self.trees[i].n_nodes)

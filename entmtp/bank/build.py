@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from entmtp.bank.bank import TopologyBank
+from entmtp.bank.bank import TopologyBank, phrasebook_rule
 from entmtp.bank.calibrate import time_and_fit
 from entmtp.bank.record import record_all
 from entmtp.bank.traces import accepted_in
@@ -125,8 +125,7 @@ def build_bank(
 
     `answers` (a `data.answers.AnswerStore`) supplies and keeps the greedy continuations. With a
     phrasebook the traces are drafted with it under `meta["provenance"]["phrasebook"]`'s rule."""
-    rule = meta["provenance"].get("phrasebook")
-    rule = PhrasebookRule(**rule) if rule else PhrasebookRule()
+    rule = phrasebook_rule(meta["provenance"]) or PhrasebookRule()
     key = {"n_prompts": len(calib_prompts), "cfg": cfg.__dict__ | {"sizes": list(cfg.sizes)},
            "heads": meta["provenance"].get("heads_sha256"), "phrasebook": meta["provenance"].get("phrasebook")}
     if stages.load("stage0") not in (None, key):

@@ -55,7 +55,7 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
             paths = torch.stack([cont[rows + j] for j in range(d + 1)], dim=1)  # (R, d+1) true path
             z = heads.head_logits(d, feats[rows], paths).float()  # (R, K)
             if book is not None:
-                spine = [bool((ranks[i, :d] == 0).all()) for i in range(len(rows))]
+                spine = (ranks[: len(rows), :d] == 0).all(1).tolist()  # every earlier rank 0: still on the spine
                 z = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)
             target = inverse[cont[rows + d + 1]]  # (R,) index in the draft vocabulary, -1 if absent
             tz = z.gather(1, target.clamp(min=0)[:, None])

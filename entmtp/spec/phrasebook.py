@@ -27,12 +27,17 @@ _MUL = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
 _MASK = (1 << 64) - 1
 
 
+def _mix(h: int, t: int) -> int:
+    """One step of the tables' hash: ((h ^ (t + 1)) * _MUL) mod 2^64."""
+    return ((h ^ (t + 1)) * _MUL) & _MASK
+
+
 def ngram_hash(tokens: Sequence[int]) -> int:
-    """h = ((h ^ (t + 1)) * _MUL) mod 2^64 over the tokens from the last to the first (the tables'
-    hash, one n-gram): every suffix's hash is a step of the next longer one's."""
+    """`_mix` over the tokens from the last to the first (the tables' hash, one n-gram): every
+    suffix's hash is a step of the next longer one's."""
     h = 0
     for t in reversed(tokens):
-        h = ((h ^ (int(t) + 1)) * _MUL) & _MASK
+        h = _mix(h, int(t))
     return h
 
 
@@ -85,8 +90,8 @@ class Phrasebook:
     def __init__(self, sequences: Iterable[Sequence[int]], max_n: int = MAX_N):
         seqs = [np.asarray(s, dtype=np.int64) for s in sequences if len(s)]
         self.max_n = max_n
-        self.n_tokens = int(sum(len(s) for s in seqs))
         tokens = np.concatenate(seqs) if seqs else np.zeros(0, dtype=np.int64)
+        self.n_tokens = len(tokens)
         offset = np.concatenate([np.arange(len(s)) for s in seqs]) if seqs else np.zeros(0, dtype=np.int64)
         self.tables = {n: _table(tokens, offset, n) for n in range(1, max_n + 1)}
 
@@ -130,7 +135,7 @@ class Context:
         top = min(self.book.max_n, len(seq))
         hashes, h = [0], 0  # hashes[n]: the last n tokens' (`ngram_hash`), one pass
         for t in reversed(seq[-top:]):
-            h = ((h ^ (t + 1)) * _MUL) & _MASK
+            h = _mix(h, t)
             hashes.append(h)
         for n in range(top, min_n - 1, -1):
             gram = tuple(seq[-n:])

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig, PhrasebookRule,
+from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -416,7 +416,7 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
     rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir)
     out = Path(args.out) if args.out else bank_path(rt.name, args.task)
     try:
-        rule = None if args.no_phrasebook or repo_store(rt.name) is None else PhrasebookRule()
+        rule = None if args.no_phrasebook or repo_store(rt.name) is None else rt.phrasebook_rule()
         bank = build_task_bank(rt, args.task, texts, calibration, cfg, args.work, args.fresh, _command(args), _progress, rule)
     except ValueError as e:
         if type(e) is ValueError:  # a refused setting (the work folder's); subclasses name their own fault

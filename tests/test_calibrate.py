@@ -314,7 +314,7 @@ def test_context_cost_interleaves_the_two_contexts(monkeypatch):
     small, big = compile_tree([], "n1"), compile_tree([[0], [1], [0, 0]], "n4")
     order, clock = [], iter(range(100))
 
-    def fake(engine, heads, trees, cfg, progress=None, turn=None, book=None):
+    def fake(engine, heads, trees, cfg, progress=None, turn=None, book=None, rule=None):
         order.append(cfg.context)
         drift = next(clock)  # the machine gets 1 ms slower with every run
         cost = {cal.tree_key(small): 10.0 + drift + 0.01 * cfg.context, cal.tree_key(big): 20.0 + drift + 0.05 * cfg.context}

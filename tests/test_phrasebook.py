@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter, defaultdict
 
+import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from entmtp.config import DEFAULT_MODEL, EVAL_SETS, TASKS
@@ -13,7 +15,7 @@ from entmtp.data import everyday
 from entmtp.data.answers import ANSWER_CAPS, AnswerStore, repo_store, training_answers
 from entmtp.data.prompts import eval_set, prompts
 from entmtp.runtime.weights import default_gguf
-from entmtp.spec.phrasebook import Phrasebook, ngram_hash
+from entmtp.spec.phrasebook import N_FEATURES, Phrasebook, Reranker, candidate_features, force_row, ngram_hash
 
 
 def _sequences(seed: int = 0) -> list[list[int]]:
@@ -53,6 +55,27 @@ def test_a_proposal_takes_the_longest_suffix_the_text_first():
     assert (p.token, p.n, p.local) == (7, 2, True)
 
 
+def test_the_reranker_scores_the_heads_and_the_books_candidates():
+    book = Phrasebook([[1, 2, 3, 4], [9, 2, 3, 5], [9, 2, 3, 5]], max_n=3)
+    ctx = book.context([8, 2, 3])
+    m = ctx.matches()  # (2, 3) and (3,) in the book, 5 after them 2 times of 3; neither followed by anything in the text yet
+    assert m == [(2, None, (5, 2, 3)), (1, None, (5, 2, 3))]
+    cands, x = candidate_features(m, [4, 7], [-0.5, -1.5], 0)
+    assert cands == [4, 7, 5] and x.shape == (3, N_FEATURES)
+    assert x[0, 1] == 1 and x[0, 0] == -0.05 and x[2, 0] == -2.0  # the head's top-1; 5 is not among the head's top
+    assert (x[2, 7], round(x[2, 8], 3), x[2, 10]) == (2 / 8, 0.667, 1.0) and x[0, 10] == 0  # 5 is what `propose` names
+    assert list(x[:, 11]) == [2 / 8] * 3
+    ctx.extend([6, 2, 3])  # now the text itself holds (2, 3) -> 6: a local candidate at n = 2
+    cands, x = candidate_features(ctx.matches(), [4], [-0.1], 1)
+    assert cands == [4, 6, 5] and (x[1, 3], x[1, 4], x[1, 6], x[1, 10]) == (2 / 8, 1.0, 1.0, 1.0) and x[2, 10] == 0
+    w = np.zeros((N_FEATURES, 1))
+    w[0, 0], w[10, 0] = 1.0, 3.0
+    assert Reranker(((w, np.zeros(1)),), first=2).rank(ctx.matches(), [4], [-0.1], 1) == [6, 4]
+    # the merged row: the named indices first, in order, then the head's own ranking
+    row = force_row(torch.tensor([0.0, 3.0, 1.0, 2.0]), [2, 0])
+    assert row.tolist() == [4.0, 3.0, 5.0, 2.0]
+
+
 @pytest.mark.slow
 def test_the_book_holds_answers_to_training_prompts_only():
     """Every stored answer the phrasebook reads belongs to a training prompt of some source; none
@@ -77,10 +100,12 @@ def test_the_book_holds_answers_to_training_prompts_only():
     assert not any(k in held for k in kept)
 
 
-def test_drafting_with_the_book_is_lossless_and_its_traces_exact():
-    """With the book first on the spine the engine still decodes `generate`'s tokens, and a bank's
-    traces recorded with it predict every tree's steps exactly (the served Q8 arithmetic, where a
-    head's row computes alike alone and batched)."""
+@pytest.mark.parametrize("kind", ["share rule", "reranker"])
+def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind):
+    """With the book first on the spine (under the share rule, or a reranker putting two
+    candidates first) the engine still decodes `generate`'s tokens, and a bank's traces recorded
+    with it predict every tree's steps exactly (the served Q8 arithmetic, where a head's row
+    computes alike alone and batched)."""
     from entmtp.bank import record as rec
     from entmtp.bank import traces as tr
     from entmtp.config import GenerationConfig, PhrasebookRule
@@ -98,6 +123,10 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact():
     noisy = [t if rng.random() < 0.7 else rng.randrange(96) for t in ref]  # right guesses and wrong ones
     book = Phrasebook([prompt + ref[:15], noisy, noisy[5:] + noisy[:5]] + _sequences(2))
     rule = PhrasebookRule(min_n=2, max_head_p=1.01, min_share=0.0)  # random heads: let the book go first at any probability
+    if kind == "reranker":  # one linear layer: the head's log-probability, and much more for the token `propose` names
+        w = np.zeros((N_FEATURES, 1))
+        w[0, 0], w[10, 0] = 1.0, 3.0
+        rule = Reranker(((w, np.zeros(1)),), first=2)
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
     plain = rec.record(engine, heads, prompt, ref, 3)
     trace = rec.record(engine, heads, prompt, ref, 3, book=book, rule=rule)

@@ -21,6 +21,7 @@ from entmtp.bank.fit import _quantiles
 from entmtp.config import TREES_FILE, GenerationConfig, ModelConfig, PhrasebookRule
 from entmtp.data.prompts import prompts
 from entmtp.spec.engine import Strategy, collect
+from entmtp.spec.phrasebook import Reranker
 from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.policy import StaticPolicy, TauPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
@@ -35,7 +36,8 @@ def rollout_vs_simulation(kernels: str, task: str, n_prompts: int, phrasebook: b
     try:
         rt = load_runtime(ModelConfig(kernels=kernels))
         heads = rt.heads("hydra")
-        book, rule = (rt.phrasebook(), PhrasebookRule()) if phrasebook else (None, PhrasebookRule())
+        book, rule = (rt.phrasebook(), rt.phrasebook_rule()) if phrasebook else (None, PhrasebookRule())
+        assert not phrasebook or isinstance(rule, Reranker), "the shipped reranker should be found beside the Hydra heads"
         ids = [rt.encode(p) for p in prompts(task, "calib", n_prompts)]
         traces = rec.record_all(rt.engine, heads, ids, N_NEW, 4, book=book, rule=rule)
         trees = [compile_tree(p, f"t{i}") for i, p in enumerate(TREES)] + [load_named_trees(TREES_FILE)["mc_sim_7b_63"]]

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from entmtp.config import PhrasebookRule
+from entmtp.config import ROOT, PhrasebookRule
+from entmtp.spec.phrasebook import Reranker, Rule
 from entmtp.spec.policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import Tree, TopologyError, compile_tree
 from entmtp.bank.traces import Trace
@@ -22,10 +23,30 @@ class BankError(ValueError):
     """A bank file that does not follow the schema; the message names the bad field."""
 
 
-def phrasebook_rule(provenance: dict[str, Any]) -> PhrasebookRule | None:
-    """The phrasebook rule a bank's provenance names (`provenance.phrasebook`), or None."""
+def phrasebook_rule(provenance: dict[str, Any]) -> Rule | None:
+    """The rule a bank's provenance names for the phrasebook (`provenance.phrasebook`), or None: a
+    share rule (`{min_n, max_head_p, min_share}`) or a reranker (`{reranker: its file relative to
+    the repository, sha256}`), which must be the very file the traces were drafted with."""
     raw = provenance.get("phrasebook")
-    return None if raw is None else PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]), float(raw.get("min_share", 0.0)))
+    if raw is None:
+        return None
+    if "reranker" in raw:
+        path = ROOT / raw["reranker"]
+        if not path.exists():
+            raise BankError(f"provenance.phrasebook.reranker: {raw['reranker']} is missing; rebuild the bank (build-bank)")
+        rr = Reranker.load(path)
+        if rr.sha256 != raw["sha256"]:
+            raise BankError(f"provenance.phrasebook.reranker: {raw['reranker']} changed since the traces were drafted "
+                            f"(sha256 {rr.sha256}, the bank's {raw['sha256']}); rebuild the bank (build-bank)")
+        return rr
+    return PhrasebookRule(int(raw["min_n"]), float(raw["max_head_p"]), float(raw.get("min_share", 0.0)))
+
+
+def rule_provenance(rule: Rule) -> dict[str, Any]:
+    """How a bank's provenance names `rule` (`phrasebook_rule` reads it back)."""
+    if isinstance(rule, Reranker):
+        return {"reranker": rule.path, "sha256": rule.sha256}
+    return {"min_n": rule.min_n, "max_head_p": rule.max_head_p, "min_share": rule.min_share}
 
 
 @dataclass
@@ -78,7 +99,7 @@ class TopologyBank:
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
     @property
-    def phrasebook_rule(self) -> PhrasebookRule | None:
+    def phrasebook_rule(self) -> Rule | None:
         """The rule its traces were drafted under with the model's phrasebook (`spec.phrasebook`), or
         None: heads alone. The engine must draft alike for the fit to hold."""
         return phrasebook_rule(self.meta.get("provenance", {}))
@@ -162,9 +183,13 @@ def parse_bank(raw: Any, where: str = "bank") -> TopologyBank:
     book = prov.get("phrasebook")
     if book is not None:
         w = f"{where}.provenance.phrasebook"
-        if (not isinstance(book, dict) or _need(book, "min_n", w, int) < 1 or not 0 < _need(book, "max_head_p", w, (int, float)) <= 2
+        if isinstance(book, dict) and "reranker" in book:
+            _need(book, "reranker", w, str)
+            _need(book, "sha256", w, str)
+        elif (not isinstance(book, dict) or _need(book, "min_n", w, int) < 1 or not 0 < _need(book, "max_head_p", w, (int, float)) <= 2
                 or not 0 <= book.get("min_share", 0) <= 1):
-            raise BankError(f"{w}: expected {{\"min_n\": >= 1, \"max_head_p\": in (0, 2], \"min_share\": in [0, 1]}}, got {book!r}")
+            raise BankError(f"{w}: expected {{\"reranker\": file, \"sha256\": hex}} or {{\"min_n\": >= 1, \"max_head_p\": in (0, 2], "
+                            f"\"min_share\": in [0, 1]}}, got {book!r}")
     entries = _need(raw, "trees", where, list)
     if not entries:
         raise BankError(f"{where}.trees: empty")

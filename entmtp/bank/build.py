@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from entmtp.bank.bank import TopologyBank, phrasebook_rule
+from entmtp.bank.bank import TopologyBank, phrasebook_rule, rule_provenance
 from entmtp.bank.calibrate import time_and_fit
 from entmtp.bank.record import record_all
 from entmtp.bank.traces import accepted_in
@@ -18,7 +18,7 @@ from entmtp.config import ROOT, BankBuildConfig, CalibrateConfig, PhrasebookRule
 from entmtp.model import serve
 from entmtp.spec.engine import Engine
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Phrasebook
+from entmtp.spec.phrasebook import Phrasebook, Rule
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import Tree, compile_tree
 
@@ -162,7 +162,7 @@ def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[li
 
 def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: BankBuildConfig, work: Path | None,
                     fresh: bool, command: str, progress: Progress | None = None,
-                    rule: PhrasebookRule | None = PhrasebookRule()) -> TopologyBank:
+                    rule: Rule | None = PhrasebookRule()) -> TopologyBank:
     """`build_bank` for a loaded runtime (`runtime.Runtime`): its Hydra heads, Hydra's
     default tree scored beside the candidates, provenance filled in. Stages checkpoint under
     `work` (default: checkpoints/bank/<model>/<task>). The default model's greedy continuations
@@ -186,9 +186,9 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
     }
     book = rt.phrasebook() if rule is not None else None
     if book is not None:
-        provenance["phrasebook"] = {"min_n": rule.min_n, "max_head_p": rule.max_head_p, "min_share": rule.min_share}
+        provenance["phrasebook"] = rule_provenance(rule)
         provenance["traces"] += (f"; drafted with the phrasebook ({book.n_tokens:,} tokens of stored answers to training "
-                                 "prompts) first on the spine where the rule lets it")
+                                 "prompts) first on the spine where its rule puts it")
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).trees[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},

@@ -26,7 +26,7 @@ from entmtp.machine import describe_fingerprint
 from entmtp.spec import drafting
 from entmtp.spec.engine import Engine, Strategy
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Phrasebook
+from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
 from entmtp.spec.topology import Tree
 
 
@@ -39,7 +39,7 @@ Turn = Callable[[], ContextManager]  # entered around each block of timed work: 
 
 def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
                   progress: Progress | None = None, turn: Turn = nullcontext,
-                  book: Phrasebook | None = None) -> tuple[dict[str, float], float, int]:
+                  book: Phrasebook | None = None, rule: Rule | None = None) -> tuple[dict[str, float], float, int]:
     """Median ms of one decode step with each tree (keyed by `tree_key`), prefill ms per token,
     and the context they were timed at (`cfg.context`, less where the model's positions run short).
 
@@ -53,7 +53,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     it instead of 2.1×, and a τ switching to 4 nodes measured 5–11% under its static tree.) One
     short untimed round first. EOS is ignored so every round takes its steps; the token values do
     not change the cost (with `book`, the phrasebook is asked at every node of the spine as when
-    decoding, whatever it answers). Each block runs inside `turn()`: a server lets its races in between blocks,
+    decoding, whatever it answers: under `rule` where it is a reranker, which runs at every node anyway). Each block runs inside `turn()`: a server lets its races in between blocks,
     never within one (a block's first step is untimed, so a pause costs no accuracy).
     """
     timer = Engine(engine.model)  # no EOS: every run decodes its full budget
@@ -62,8 +62,9 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     bank = TopologyBank.of(*unique)
     run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
     blocks = max(1, -(-cfg.steps // cfg.block))
-    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book,
-                        PhrasebookRule(max_head_p=2.0, min_share=0.0))  # every node asks it, as a real text's might
+    # a share rule asked at every node, as a real text's might; a reranker runs at every node anyway
+    timing_rule = rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0)
+    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book, timing_rule)
     room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
     context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
     g = torch.Generator().manual_seed(0)
@@ -94,7 +95,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
 
 
 def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[Tree], cfg: CalibrateConfig,
-                         turn: Turn = nullcontext, book: Phrasebook | None = None) -> dict[str, Any]:
+                         turn: Turn = nullcontext, book: Phrasebook | None = None, rule: Rule | None = None) -> dict[str, Any]:
     """How a step's cost grows with its context (`bank.predict`): the plain step and the largest
     tree timed at `cfg.context` and at `cfg.short_context`, the two contexts taking turns round by
     round (long, short, short, long, ...) so that the machine's drift hits both alike; per tree
@@ -108,7 +109,7 @@ def measure_context_cost(engine: Engine, heads: DraftHeads | None, trees: list[T
     for r in range(max(1, cfg.rounds)):
         for which in (("long", "short") if r % 2 == 0 else ("short", "long")):
             context = cfg.context if which == "long" else min(cfg.short_context, long_ctx - 1)
-            runs[which].append(measure_costs(engine, heads, pair, replace(cfg, context=context, rounds=1), None, turn, book))
+            runs[which].append(measure_costs(engine, heads, pair, replace(cfg, context=context, rounds=1), None, turn, book, rule))
             if which == "long":
                 long_ctx = runs["long"][-1][2]  # the context the model had room for
 
@@ -187,8 +188,9 @@ def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
     `book`: the phrasebook the banks draft with (steps are timed asking it)."""
     t0 = time.perf_counter()
     trees = [t for b in banks.values() for t in b.trees] + ([baseline] if baseline else [])
-    costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn, book)
-    context_cost = measure_context_cost(engine, heads, trees, cfg, turn, book)
+    rule = next((b.phrasebook_rule for b in banks.values() if b.phrasebook_rule is not None), None)
+    costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn, book, rule)
+    context_cost = measure_context_cost(engine, heads, trees, cfg, turn, book, rule)
     with turn():
         chain = measure_chain(heads, max(t.max_depth for t in trees))
     measured_s = time.perf_counter() - t0

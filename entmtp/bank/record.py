@@ -12,7 +12,7 @@ from entmtp.config import GenerationConfig, PhrasebookRule, Progress
 from entmtp.model import forward
 from entmtp.spec.engine import Strategy, collect
 from entmtp.spec.heads import DraftHeads, head_features
-from entmtp.spec.phrasebook import Phrasebook, force_row, forcer
+from entmtp.spec.phrasebook import Phrasebook, Rule, force_row, forcer
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
 from entmtp.bank.traces import WIDTH, Trace
@@ -20,7 +20,7 @@ from entmtp.bank.traces import WIDTH, Trace
 
 @torch.inference_mode()
 def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int], depth: int, width: int = WIDTH,
-           book: Phrasebook | None = None, rule: PhrasebookRule = PhrasebookRule()) -> Trace:
+           book: Phrasebook | None = None, rule: Rule = PhrasebookRule()) -> Trace:
     """The trace of `continuation` (the greedy output for `prompt`), for heads 0..depth-1.
 
     One teacher-forced forward gives the base states at every position; each head then runs once,
@@ -70,7 +70,7 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
 
 
-def _forced(book: Phrasebook, rule: PhrasebookRule, heads: DraftHeads, prompt: list[int], continuation: list[int],
+def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], continuation: list[int],
             z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> torch.Tensor:
     """z (R, K), row i the head's logits at position i after `paths[i]` (the root c[i] and the
     path on), with the phrasebook's guess made first where `active[i]` and the rule let it go
@@ -84,8 +84,8 @@ def _forced(book: Phrasebook, rule: PhrasebookRule, heads: DraftHeads, prompt: l
             continue
         text.extend(continuation[held:i])
         held = i
-        forced = force(paths[i], probs[i])
-        if forced is not None:
+        forced = force(paths[i], probs[i], z[i])
+        if forced:
             out = out.clone() if out is z else out
             out[i] = force_row(z[i], forced)
     return out
@@ -121,7 +121,7 @@ def stored_greedy(engine, heads: DraftHeads, prompt: list[int], new_tokens: int,
 def record_all(engine, heads: DraftHeads, prompts: list[list[int]], new_tokens: int, depth: int,
                done: list[dict] | None = None, save: Callable[[list[dict]], None] | None = None,
                progress: Progress | None = None, answers=None, book: Phrasebook | None = None,
-               rule: PhrasebookRule = PhrasebookRule()) -> list[Trace]:
+               rule: Rule = PhrasebookRule()) -> list[Trace]:
     """Greedy continuations (from `answers`, a `data.answers.AnswerStore`, or through the engine
     with a small tree for speed, then stored) and their traces (drafted with `book` under `rule`
     where given); resumable."""

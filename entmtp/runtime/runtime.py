@@ -36,7 +36,7 @@ from entmtp.machine import fingerprint
 from entmtp.bank.calibrate import known_fit, resolve_fits
 from entmtp.spec.engine import Engine, StepRecord, Strategy
 from entmtp.spec.heads import DraftHeads, HeadsError, head_features
-from entmtp.spec.phrasebook import Phrasebook
+from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
 from entmtp.spec.headfiles import load_heads
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
@@ -151,7 +151,19 @@ class Runtime:
                 self._book = Phrasebook(answers) if answers else False
         return self._book or None
 
-    def book_for(self, bank: TopologyBank) -> tuple[Phrasebook | None, PhrasebookRule]:
+    def phrasebook_rule(self) -> Rule:
+        """How a new bank drafts with the phrasebook: the reranker fitted for these Hydra heads
+        (`reranker.json` beside them, scripts/fit_reranker.py) where there is one and it names these
+        heads' weights, else the share rule (`config.PhrasebookRule`)."""
+        given = self.heads_paths.get("hydra")
+        path = (Path(given) if given else default_heads_dir(self.name, "hydra")) / "reranker.json"
+        if path.is_file():
+            rr = Reranker.load(path)
+            if rr.heads_sha256 == self.heads("hydra").provenance.get("sha256"):
+                return rr
+        return PhrasebookRule()
+
+    def book_for(self, bank: TopologyBank) -> tuple[Phrasebook | None, Rule]:
         """The phrasebook and rule a bank's traces were drafted with; (None, the default rule) for a
         bank drafted by the heads alone, or a model without stored answers (its drafts then differ
         from the traces', so the fit's predictions do; the output never does)."""

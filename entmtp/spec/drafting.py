@@ -22,9 +22,9 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
     top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
     chain from the same root and feature: its heads are not run again. `force` (a phrasebook's,
-    `phrasebook.forcer`) may put another token first at each node: that row's logits then rank it
-    first (`phrasebook.force_row`), the path goes on through it, and p_d stays the head's own top-1
-    probability.
+    `phrasebook.forcer`) may put other tokens first at each node: that row's logits then rank them
+    first (`phrasebook.force_row`), the path goes on through the first, and p_d stays the head's own
+    top-1 probability.
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
@@ -40,7 +40,7 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     """The top-1 chain on the device, from `path` (1, d+1) = root and the chain's first d tokens
     on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
     (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it (not with
-    `force`, which reads each node's path and probability on the host)."""
+    `force`, which reads each node's path, probability and logits on the host)."""
     fast = heads.top1_on_blocks(feature, path, depth, force)  # Q8-block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
@@ -49,10 +49,10 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     for d in range(path.shape[1] - 1, depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
-        forced = force(path[0].tolist(), float(p)) if force is not None else None
-        if forced is not None:
+        forced = force(path[0].tolist(), float(p), row) if force is not None else []
+        if forced:
             row = force_row(row, forced)
-            idx = torch.tensor(forced, device=row.device)
+            idx = torch.tensor(forced[0], device=row.device)
         logits.append(row)
         probs.append(p)
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)

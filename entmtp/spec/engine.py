@@ -18,7 +18,7 @@ from entmtp.model import forward, graphs, kernels, kv
 from entmtp.model.gguf import q8_inputs
 from entmtp.spec import drafting, verify
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Phrasebook, forcer
+from entmtp.spec.phrasebook import Phrasebook, Rule, forcer
 from entmtp.spec.policy import Policy, confidence, feature_value, path_value
 from entmtp.spec.topology import Tree, chain_paths, compile_tree
 
@@ -39,7 +39,7 @@ class Strategy:
     policy: Policy
     heads: DraftHeads | None = None
     book: Phrasebook | None = None  # a phrasebook's guesses go first on the drafted spine where `rule` says
-    rule: PhrasebookRule = PhrasebookRule()
+    rule: Rule = PhrasebookRule()
 
     def __post_init__(self):
         object.__setattr__(self, "trees", tuple(self.trees))

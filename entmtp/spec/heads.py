@@ -242,8 +242,7 @@ class DraftHeads(nn.Module):
         top-1 probabilities; None elsewhere. `force`: `drafting.top1_logits`'s."""
         if self._chain is None or feature.device.type != "cpu":
             return None
-        ask = None if force is None else (lambda p, prob: -1 if (i := force(p, prob)) is None else i)  # noqa: E731
-        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, ask)
+        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
         return list(logits.unbind(0)), probs
 
     def _whole_blocks(self) -> bool:

@@ -14,7 +14,10 @@ a bank's traces and the engine see the same proposals.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -127,52 +130,178 @@ class Context:
                 nexts[t] = nexts.get(t, 0) + 1
             self.tokens.append(t)
 
-    def propose(self, extra: Sequence[int] = (), min_n: int = 1) -> Proposal | None:
-        """The next token after the text so far followed by `extra`: the longest suffix (at least
-        `min_n` tokens) seen in the text so far, else in the book; the most frequent follower there
-        (in the text: the first seen on a tie)."""
+    def matches(self, extra: Sequence[int] = ()) -> list[tuple[int, dict[int, int] | None, tuple[int, int, int] | None]]:
+        """Every suffix of the text so far followed by `extra` that was seen, longest first: (n, its
+        followers in the text itself {token: count} or None, the book's (most frequent follower,
+        its count, the suffix's count) or None)."""
         seq = self.tokens[-self.book.max_n :] + [int(t) for t in extra]
         top = min(self.book.max_n, len(seq))
         hashes, h = [0], 0  # hashes[n]: the last n tokens' (`ngram_hash`), one pass
         for t in reversed(seq[-top:]):
             h = _mix(h, t)
             hashes.append(h)
-        for n in range(top, min_n - 1, -1):
-            gram = tuple(seq[-n:])
-            nexts = self._seen.get(gram)
-            if nexts:
-                token = max(nexts, key=nexts.get)  # the first seen of the largest count
-                return Proposal(token, n, nexts[token] / sum(nexts.values()), True)
-            hit = self.book.tables[n].get(hashes[n])
-            if hit is not None:
-                return Proposal(hit[0], n, hit[1] / hit[2], False)
+        out = []
+        for n in range(top, 0, -1):
+            local, hit = self._seen.get(tuple(seq[-n:])), self.book.tables[n].get(hashes[n])
+            if local or hit is not None:
+                out.append((n, local or None, hit))
+        return out
+
+    def propose(self, extra: Sequence[int] = (), min_n: int = 1) -> Proposal | None:
+        """The next token after the text so far followed by `extra`: the longest suffix (at least
+        `min_n` tokens) seen in the text so far, else in the book; the most frequent follower there
+        (in the text: the first seen on a tie)."""
+        for n, local, hit in self.matches(extra):
+            if n < min_n:
+                break
+            if local:
+                token = max(local, key=local.get)  # the first seen of the largest count
+                return Proposal(token, n, local[token] / sum(local.values()), True)
+            return Proposal(hit[0], n, hit[1] / hit[2], False)
         return None
 
-Forcer = Callable[[Sequence[int], float], "int | None"]  # (spine path from the root, head's top-1 prob) -> draft index
+
+HEAD_CANDIDATES = 16  # the head's top tokens the reranker scores, beside every token the phrasebook names
+N_FEATURES = 14
 
 
-def forcer(ctx: Context, rule: PhrasebookRule, draft_vocab: torch.Tensor) -> Forcer:
-    """What drafting asks at each node of the rank-0 spine: the draft-vocabulary index of the
-    phrasebook's guess for the token after `path` (the root and the spine so far, after the text of
-    `ctx`), where `rule` lets it go first, else None. A guess outside the heads' draft vocabulary
-    (empty: the whole vocabulary) cannot be drafted and is passed over."""
+def candidate_features(matches: list, head_tokens: Sequence[int], head_logp: Sequence[float], depth: int) -> tuple[list[int], np.ndarray]:
+    """The reranker's candidates at one node and their features (C, N_FEATURES): the head's top
+    tokens (`head_tokens`, log-probabilities `head_logp`, best first) and every token the phrasebook
+    names there (`Context.matches`). Per candidate: the head's log-probability (/10; -2 where not
+    among its top), whether it is the head's top-1, whether among its top; in the text itself the
+    longest suffix it followed (/8), its share and count there, whether the most frequent there;
+    in the book the longest suffix whose most frequent follower it is (/8), that share and the
+    suffix's count; whether `propose` would name it; the longest suffix seen (/8); the depth; the
+    head's top-1 probability."""
+    feats: dict[int, list[float]] = {}
+    for k, (t, lp) in enumerate(zip(head_tokens, head_logp)):
+        f = feats.setdefault(int(t), [0.0] * N_FEATURES)
+        f[0], f[1], f[2] = max(float(lp), -20.0) / 10, float(k == 0), 1.0
+    proposed = None
+    for n, local, hit in matches:
+        if local:
+            total = sum(local.values())
+            top = max(local, key=local.get)
+            for t, c in local.items():
+                f = feats.setdefault(t, [0.0] * N_FEATURES)
+                if f[3] == 0:
+                    f[3], f[4], f[5], f[6] = n / 8, c / total, float(np.log1p(c)) / 3, float(t == top)
+            proposed = top if proposed is None else proposed
+        if hit is not None:
+            f = feats.setdefault(hit[0], [0.0] * N_FEATURES)
+            if f[7] == 0:
+                f[7], f[8], f[9] = n / 8, hit[1] / hit[2], float(np.log1p(hit[2])) / 5
+            proposed = hit[0] if proposed is None else proposed
+    longest = matches[0][0] / 8 if matches else 0.0
+    p1 = float(np.exp(head_logp[0])) if len(head_logp) else 0.0
+    for t, f in feats.items():
+        if f[2] == 0:
+            f[0] = -2.0
+        f[10], f[11], f[12], f[13] = float(t == proposed), longest, float(depth), p1
+    return list(feats), np.array(list(feats.values()), dtype=np.float64).reshape(-1, N_FEATURES)
+
+
+@dataclass(frozen=True)
+class Reranker:
+    """A small scorer (two tanh layers) of the candidates at a node of the drafted spine: the
+    head's top tokens and the phrasebook's, from `candidate_features`. Its `first` best go first
+    in that node's ranking, the head's own order after them. Fitted on the banks' calibration
+    prompts (scripts/fit_reranker.py); stored as JSON beside the Hydra heads it reads."""
+
+    layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (W (in, out), b (out,)) each; the last has out = 1
+    first: int = 2
+    path: str = ""  # the file, relative to the repository
+    sha256: str = ""
+    heads_sha256: str = ""  # the weights of the heads it was fitted for
+
+    @classmethod
+    def load(cls, path: Path) -> "Reranker":
+        from entmtp.config import ROOT
+
+        raw = path.read_bytes()
+        d = json.loads(raw)
+        layers = tuple((np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64)) for w, b in d["layers"])
+        if layers[0][0].shape[0] != N_FEATURES or layers[-1][0].shape[1] != 1:
+            raise ValueError(f"{path}: a reranker reads {N_FEATURES} features and gives one score")
+        try:
+            rel = str(path.resolve().relative_to(ROOT))
+        except ValueError:
+            rel = str(path)
+        return cls(layers, int(d.get("first", 2)), rel, hashlib.sha256(raw).hexdigest()[:16], d.get("heads_sha256", ""))
+
+    def save(self, path: Path, meta: dict) -> None:
+        d = {"first": self.first, "layers": [[w.tolist(), b.tolist()] for w, b in self.layers]} | meta
+        path.write_text(json.dumps(d) + "\n")
+
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """(C, N_FEATURES) -> (C,), in float64."""
+        for i, (w, b) in enumerate(self.layers):
+            x = x @ w + b
+            if i < len(self.layers) - 1:
+                x = np.tanh(x)
+        return x[:, 0]
+
+    def rank(self, matches: list, head_idx: list[int], head_logp: list[float], depth: int, ids: list[int] | None = None) -> list[int]:
+        """The `first` best tokens at a node: `matches` = `Context.matches` there, the head's top
+        draft indices `head_idx` (token ids through `ids`, the draft vocabulary, where given) with
+        their log-probabilities, `depth` = the node's (0: the first head's)."""
+        tokens = [ids[i] for i in head_idx] if ids else head_idx
+        cands, x = candidate_features(matches, tokens, head_logp, depth)
+        s = self.scores(x)
+        best = sorted(range(len(cands)), key=lambda i: -s[i])  # stable: the first candidate on a tie
+        return [cands[i] for i in best[: self.first]]
+
+
+def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
+    """The head's `HEAD_CANDIDATES` best draft indices at a node, best first, and their
+    log-probabilities, from its logits (K,)."""
+    logp = torch.log_softmax(row.float().view(-1), -1)
+    top, idx = logp.topk(min(HEAD_CANDIDATES, logp.numel()))
+    return top.tolist(), idx.tolist()
+
+
+Rule = PhrasebookRule | Reranker
+Forcer = Callable[[Sequence[int], float, torch.Tensor], list[int]]  # (spine path from the root, head's top-1 prob, its logits) -> draft indices
+
+
+def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
+    """What drafting asks at each node of the rank-0 spine: the draft-vocabulary indices of the
+    tokens that go first after `path` (the root and the spine so far, after the text of `ctx`),
+    best first ([]: the head's own ranking). Under a `PhrasebookRule`, the phrasebook's guess where
+    the rule lets it; under a `Reranker`, its best candidates. A token outside the heads' draft
+    vocabulary (empty: the whole vocabulary) cannot be drafted and is passed over."""
     ids = draft_vocab.tolist()
     index = {t: i for i, t in enumerate(ids)} if ids else None
 
-    def force(path: Sequence[int], head_p: float) -> int | None:
+    def to_index(tokens: list[int]) -> list[int]:
+        out = [t if index is None else index.get(t) for t in tokens]
+        return [i for i in out if i is not None]
+
+    if isinstance(rule, Reranker):
+        def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> list[int]:
+            lp, idx = head_top(row)
+            return to_index(rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids))
+
+        return rerank
+
+    def force(path: Sequence[int], head_p: float, row: torch.Tensor) -> list[int]:
         if head_p >= rule.max_head_p:
-            return None
+            return []
         guess = ctx.propose(path, rule.min_n)
         if guess is None or guess.share < rule.min_share:
-            return None
-        return guess.token if index is None else index.get(guess.token)
+            return []
+        return to_index([guess.token])
 
     return force
 
 
-def force_row(row: torch.Tensor, index: int) -> torch.Tensor:
-    """The head's logits (K,) with draft index `index` made the largest: its top-k is then the
-    guess followed by the head's own ranking of the rest (the merged ranking drafting and traces share)."""
+def force_row(row: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    """The head's logits (K,) with the draft indices `indices` made the largest, in that order:
+    its top-k is then they followed by the head's own ranking of the rest (the merged ranking
+    drafting and traces share). Float32 sums, as the extension's HeadChain makes them."""
     row = row.clone()
-    row[index] = row.max() + 1.0
+    top = row.max()
+    for j, i in enumerate(indices):
+        row[i] = top + float(len(indices) - j)
     return row

@@ -62,9 +62,7 @@ def eval_trees() -> dict[str, Any]:
 def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]], trees: dict[str, Any] | None = None,
                 phrasebook: bool = False) -> dict[str, tuple[list[int], list[int]]]:
     """Per tree, per prompt (tokens, steps) of `kind`'s heads, from exact traces (one record per
-    prompt); `phrasebook`: drafting with the model's phrasebook first on the spine (the default rule)."""
-    from entmtp.config import PhrasebookRule
-
+    prompt); `phrasebook`: drafting with the model's phrasebook first on the spine (under `Runtime.phrasebook_rule`, as new banks do)."""
     from entmtp.bank.record import record
     from entmtp.bank.traces import decode_with
 
@@ -72,7 +70,8 @@ def accepted_on(rt, kind: str, prompts: list[list[int]], conts: list[list[int]],
     depth = max(t.max_depth for t in trees.values())
     heads = rt.heads(kind)
     book = rt.phrasebook() if phrasebook else None
-    traces = [record(rt.engine, heads, p, c, depth, book=book, rule=PhrasebookRule()) for p, c in zip(prompts, conts)]
+    rule = rt.phrasebook_rule() if book is not None else None
+    traces = [record(rt.engine, heads, p, c, depth, book=book, rule=rule) for p, c in zip(prompts, conts)]
     out = {}
     for name, tree in trees.items():
         pairs = [decode_with(tree, tr) for tr in traces]

@@ -94,15 +94,19 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
     const auto p = at::softmax(z, -1).contiguous();
     int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
     probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[idx];
-    const int64_t forced = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx])) : -1;
-    if (forced >= 0) {  // phrasebook.force_row: the row's maximum + 1 there (float32, as ATen adds)
-      TORCH_CHECK(forced < z.numel(), "HeadChain: a forced draft index ", forced, " is outside the ", z.numel(), " rows");
+    const auto forced = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx]), z.view({-1}))
+                                          : std::vector<int64_t>{};
+    if (!forced.empty()) {  // phrasebook.force_row: the row's maximum + m - j at the j-th of m (float32, as ATen adds)
       z = z.contiguous();
       float* zp = z.data_ptr<float>();
       float mx = zp[0];
       for (int64_t k = 1; k < z.numel(); ++k) mx = zp[k] > mx ? zp[k] : mx;
-      zp[forced] = mx + 1.0f;
-      idx = forced;
+      const int64_t m = static_cast<int64_t>(forced.size());
+      for (int64_t j = 0; j < m; ++j) {
+        TORCH_CHECK(forced[j] >= 0 && forced[j] < z.numel(), "HeadChain: a forced draft index ", forced[j], " is outside the ", z.numel(), " rows");
+        zp[forced[j]] = mx + static_cast<float>(m - j);
+      }
+      idx = forced[0];
     }
     const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
     rows.push_back(z);

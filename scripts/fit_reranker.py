@@ -1,0 +1,149 @@
+"""Fit the phrasebook's reranker (`entmtp.spec.phrasebook.Reranker`) for the default model's Hydra heads.
+
+At every position of the banks' calibration continuations (24 prompts a task, 128 greedy tokens,
+read from the answer store) and at depths 0..3 along the true path, the candidates a node of the
+drafted spine would score: the head's top 16 (exact logits, the teacher-forced pass `build-bank`
+records) and every token the phrasebook names there (its text: the prompt and the continuation
+so far; its book: the stored answers to training prompts, `data.answers.training_answers`).
+A two-layer scorer is fitted to put the true token first (softmax over the candidates, Adam,
+fixed seed), on calibration prompts only; the evaluation sets are then scored for the record
+(the first-guess and first-two rates: what 2- and 3-node trees accept beyond the root), beside
+the head alone and the share rule (`config.PhrasebookRule`).
+
+    PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from entmtp.bank.build import calibration_prompts  # noqa: E402
+from entmtp.bank.record import stored_greedy  # noqa: E402
+from entmtp.config import EVAL_SETS, TASKS, PhrasebookRule  # noqa: E402
+from entmtp.data.answers import AnswerStore, repo_store, training_answers  # noqa: E402
+from entmtp.data.prompts import eval_set  # noqa: E402
+from entmtp.machine import hardware  # noqa: E402
+from entmtp.model import forward  # noqa: E402
+from entmtp.runtime.runtime import default_heads_dir, load_runtime  # noqa: E402
+from entmtp.spec.heads import head_features  # noqa: E402
+from entmtp.spec.phrasebook import HEAD_CANDIDATES, N_FEATURES, Phrasebook, Reranker, candidate_features  # noqa: E402
+
+EVAL_SIZES = {"code": 16, "math": 16, "chat": 48, "everyday": 72}  # eval-heads' sets
+DEPTHS = 4
+HIDDEN = 32
+
+
+def positions(rt, heads, book, prompts: list[list[int]], store, task: str) -> list[dict]:
+    """Per (position, depth): the candidates' tokens and features, the true token, the head's top-1
+    and the share rule's pick."""
+    rows, rule = [], PhrasebookRule()
+    ids = heads.draft_vocab.tolist()
+    for p in prompts:
+        cont = stored_greedy(rt.engine, heads, p, 128, store, task)
+        seq = torch.tensor([p + cont[:-1]])
+        L, cache = len(p), rt.engine.new_cache()
+        outs = [forward.forward(rt.engine.model, cache, seq[:, a:b], torch.arange(a, b)[None], None)
+                for a, b in ((0, L), (L, seq.shape[1])) if b > a]
+        feats = head_features(heads, torch.cat([h for h, _ in outs]))[L - 1 :]
+        c, n = torch.tensor(cont), len(cont)
+        top = []
+        for d in range(DEPTHS):
+            r = torch.arange(max(0, n - d - 1))
+            z = torch.log_softmax(heads.head_logits(d, feats[r], torch.stack([c[r + j] for j in range(d + 1)], 1)).float(), -1)
+            top.append(z.topk(HEAD_CANDIDATES, -1))
+        ctx = book.context(p)
+        for i in range(n - 1):
+            ctx.extend([cont[i]])
+            for d in range(min(DEPTHS, n - 1 - i)):
+                path = cont[i : i + d + 1]
+                lp, idx = top[d][0][i].tolist(), top[d][1][i].tolist()
+                head_tokens = [ids[k] for k in idx] if ids else idx
+                cands, x = candidate_features(ctx.matches(path[1:]), head_tokens, lp, d)
+                guess = ctx.propose(path[1:], rule.min_n)
+                ruled = guess.token if guess and guess.share >= rule.min_share and np.exp(lp[0]) < rule.max_head_p else head_tokens[0]
+                rows.append({"d": d, "true": cont[i + d + 1], "cands": cands, "x": x, "head": head_tokens[:2], "rule": ruled})
+    return rows
+
+
+def fit(rows: list[dict], epochs: int = 30, seed: int = 0) -> Reranker:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(N_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                              torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    opt = torch.optim.Adam(net.parameters(), 3e-3)
+    data = [(torch.tensor(r["x"], dtype=torch.float32), r["cands"].index(r["true"])) for r in rows if r["true"] in r["cands"]]
+    rng = np.random.default_rng(seed)
+    for epoch in range(epochs):
+        total = 0.0
+        for b in np.array_split(rng.permutation(len(data)), max(1, len(data) // 256)):
+            xs = [data[i][0] for i in b]
+            s = net(torch.cat(xs)).squeeze(-1)
+            offsets = np.cumsum([0] + [len(x) for x in xs])
+            loss = -sum(torch.log_softmax(s[offsets[k] : offsets[k + 1]], 0)[data[i][1]] for k, i in enumerate(b)) / len(b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss)
+        print(f"epoch {epoch + 1}/{epochs}: loss {total:.1f}", file=sys.stderr)
+    lin = [m for m in net if isinstance(m, torch.nn.Linear)]
+    return Reranker(tuple((m.weight.detach().double().T.numpy().copy(), m.bias.detach().double().numpy().copy()) for m in lin))
+
+
+def rates(rows: list[dict], rr: Reranker) -> dict:
+    out = {}
+    for d in range(2):
+        sel = [r for r in rows if r["d"] == d]
+        picks = [[r["cands"][i] for i in np.argsort(-rr.scores(r["x"]), kind="stable")[:2]] for r in sel]
+        out[f"depth{d}"] = {"positions": len(sel),
+                            "head_top1": round(np.mean([r["head"][0] == r["true"] for r in sel]), 4),
+                            "head_top2": round(np.mean([r["true"] in r["head"] for r in sel]), 4),
+                            "rule_first": round(np.mean([r["rule"] == r["true"] for r in sel]), 4),
+                            "reranker_first": round(np.mean([p[0] == r["true"] for p, r in zip(picks, sel)]), 4),
+                            "reranker_first_two": round(np.mean([r["true"] in p for p, r in zip(picks, sel)]), 4)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="the reranker file (default: beside the default model's Hydra heads)")
+    ap.add_argument("--record", help="write the rates on the calibration and evaluation sets here (JSON)")
+    args = ap.parse_args()
+    t0 = time.time()
+    rt = load_runtime()
+    heads = rt.heads("hydra")
+    book = Phrasebook(training_answers(rt.name, rt.encode))
+    stored = repo_store(rt.name, rt.arithmetic)
+    with torch.inference_mode():
+        calib = {t: positions(rt, heads, book, [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]], stored, "calib") for t in TASKS}
+    rr = fit([r for t in TASKS for r in calib[t]])
+    out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"
+    rr.save(out, {"fitted_on": "the banks' calibration prompts (24 a task), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
+                  "date": datetime.date.today().isoformat()})
+    rr = Reranker.load(out)
+    print(f"wrote {out} ({rr.sha256})", file=sys.stderr)
+    evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+    with torch.inference_mode():
+        sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
+                for name in EVAL_SETS}
+    record = {"hardware": hardware(), "date": datetime.date.today().isoformat(), "reranker": rr.path, "sha256": rr.sha256,
+              "calib": {t: rates(calib[t], rr) for t in TASKS}, "eval": {k: rates(v, rr) for k, v in sets.items()},
+              "seconds": round(time.time() - t0, 1)}
+    for split in ("calib", "eval"):
+        for name, r in record[split].items():
+            print(split, name, json.dumps(r), file=sys.stderr)
+    if args.record:
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ fixed seed), on calibration prompts only; the evaluation sets are then scored fo
 (the first-guess and first-two rates: what 2- and 3-node trees accept beyond the root), beside
 the head alone and the share rule (`config.PhrasebookRule`).
 
-    PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE]
+    PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE] [--score-only]
 """
 
 from __future__ import annotations
@@ -98,17 +98,38 @@ def fit(rows: list[dict], epochs: int = 30, seed: int = 0) -> Reranker:
     return Reranker(tuple((m.weight.detach().double().T.numpy().copy(), m.bias.detach().double().numpy().copy()) for m in lin))
 
 
+def softmax_top(s: np.ndarray) -> float:
+    return float(1.0 / np.exp(s - s.max()).sum())
+
+
+def auc(score: list[float], right: list[bool]) -> float:
+    """The chance a right position scores above a wrong one (ties count half)."""
+    score, right = np.asarray(score, dtype=float), np.asarray(right, dtype=bool)
+    order = np.argsort(score, kind="stable")
+    ranks = np.empty(len(score))
+    ranks[order] = np.arange(len(score))
+    for v in np.unique(score):  # average ranks of ties
+        tie = score == v
+        ranks[tie] = ranks[tie].mean()
+    pos = right.sum()
+    return float((ranks[right].sum() - pos * (pos - 1) / 2) / (pos * (len(score) - pos)))
+
+
 def rates(rows: list[dict], rr: Reranker) -> dict:
     out = {}
     for d in range(2):
         sel = [r for r in rows if r["d"] == d]
         picks = [[r["cands"][i] for i in np.argsort(-rr.scores(r["x"]), kind="stable")[:2]] for r in sel]
+        right = [p[0] == r["true"] for p, r in zip(picks, sel)]
         out[f"depth{d}"] = {"positions": len(sel),
                             "head_top1": round(np.mean([r["head"][0] == r["true"] for r in sel]), 4),
                             "head_top2": round(np.mean([r["true"] in r["head"] for r in sel]), 4),
                             "rule_first": round(np.mean([r["rule"] == r["true"] for r in sel]), 4),
                             "reranker_first": round(np.mean([p[0] == r["true"] for p, r in zip(picks, sel)]), 4),
-                            "reranker_first_two": round(np.mean([r["true"] in p for p, r in zip(picks, sel)]), 4)}
+                            "reranker_first_two": round(np.mean([r["true"] in p for p, r in zip(picks, sel)]), 4),
+                            # how well each confidence ranks the positions where the reranker's first is right
+                            "auc_head_p": round(auc([r["x"][0, 13] for r in sel], right), 4),
+                            "auc_reranker_p": round(auc([softmax_top(rr.scores(r["x"])) for r in sel], right), 4)}
     return out
 
 
@@ -116,6 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="the reranker file (default: beside the default model's Hydra heads)")
     ap.add_argument("--record", help="write the rates on the calibration and evaluation sets here (JSON)")
+    ap.add_argument("--score-only", action="store_true", help="score the reranker already at --out; fit nothing")
     args = ap.parse_args()
     t0 = time.time()
     rt = load_runtime()
@@ -124,10 +146,11 @@ def main() -> None:
     stored = repo_store(rt.name, rt.arithmetic)
     with torch.inference_mode():
         calib = {t: positions(rt, heads, book, [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]], stored, "calib") for t in TASKS}
-    rr = fit([r for t in TASKS for r in calib[t]])
     out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"
-    rr.save(out, {"fitted_on": "the banks' calibration prompts (24 a task), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
-                  "date": datetime.date.today().isoformat()})
+    if not args.score_only:
+        rr = fit([r for t in TASKS for r in calib[t]])
+        rr.save(out, {"fitted_on": "the banks' calibration prompts (24 a task), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
+                      "date": datetime.date.today().isoformat()})
     rr = Reranker.load(out)
     print(f"wrote {out} ({rr.sha256})", file=sys.stderr)
     evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)

@@ -70,7 +70,9 @@ def test_the_reranker_scores_the_heads_and_the_books_candidates():
     assert cands == [4, 6, 5] and (x[1, 3], x[1, 4], x[1, 6], x[1, 10]) == (2 / 8, 1.0, 1.0, 1.0) and x[2, 10] == 0
     w = np.zeros((N_FEATURES, 1))
     w[0, 0], w[10, 0] = 1.0, 3.0
-    assert Reranker(((w, np.zeros(1)),), first=2).rank(ctx.matches(), [4], [-0.1], 1) == [6, 4]
+    tokens, probs = Reranker(((w, np.zeros(1)),), first=2).rank(ctx.matches(), [4], [-0.1], 1)
+    s = np.array([-0.1 / 10, -2.0 + 3.0, -2.0])  # the scores of 4, 6, 5: their softmax is the scorer's confidence
+    assert tokens == [6, 4] and np.allclose(probs, (np.exp(s) / np.exp(s).sum())[[1, 0]])
     # the merged row: the named indices first, in order, then the head's own ranking
     row = force_row(torch.tensor([0.0, 3.0, 1.0, 2.0]), [2, 0])
     assert row.tolist() == [4.0, 3.0, 5.0, 2.0]
@@ -130,8 +132,11 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind):
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
     plain = rec.record(engine, heads, prompt, ref, 3)
     trace = rec.record(engine, heads, prompt, ref, 3, book=book, rule=rule)
-    assert trace.ranks != plain.ranks  # the book moved ranks; the first head's top-1 probability stays the head's
-    assert [c[0] for c in trace.chain] == [c[0] for c in plain.chain] and trace.chain != plain.chain  # deeper heads read its path
+    assert trace.ranks != plain.ranks  # the book moved ranks
+    if kind == "share rule":  # the first head's top-1 probability stays the head's; deeper heads read the book's path
+        assert [c[0] for c in trace.chain] == [c[0] for c in plain.chain] and trace.chain != plain.chain
+    else:  # the chain's probabilities are the reranker's
+        assert [c[0] for c in trace.chain] != [c[0] for c in plain.chain]
     gained = 0
     for tree in trees:
         real = collect(engine.generate(prompt, Strategy(tree.name, (tree,), StaticPolicy(0), heads, book, rule),

@@ -18,7 +18,7 @@ from entmtp.config import ROOT, BankBuildConfig, CalibrateConfig, PhrasebookRule
 from entmtp.model import serve
 from entmtp.spec.engine import Engine
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Phrasebook, Rule
+from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import Tree, compile_tree
 
@@ -187,8 +187,9 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
     book = rt.phrasebook() if rule is not None else None
     if book is not None:
         provenance["phrasebook"] = rule_provenance(rule)
+        how = "its reranker's best two" if isinstance(rule, Reranker) else "its guess where the share rule lets it"
         provenance["traces"] += (f"; drafted with the phrasebook ({book.n_tokens:,} tokens of stored answers to training "
-                                 "prompts) first on the spine where its rule puts it")
+                                 f"prompts): {how} first on the spine")
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).trees[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},

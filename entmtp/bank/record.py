@@ -27,7 +27,8 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
     batched over the positions. With a phrasebook, ranks and the chain are those the engine drafts
     with it: at a node of the rank-0 spine its guess may go first (`drafting.top1_chain`), so the
     true path's rank at depth d is the merged one while the path is still on the spine (every
-    earlier rank 0), and the chain follows the merged spine.
+    earlier rank 0), and the chain follows the merged spine, with the probabilities a reranker
+    gives its tokens (under the share rule, the head's own).
     """
     model, device = engine.model, engine.device
     n = len(continuation)
@@ -56,39 +57,43 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
             z = heads.head_logits(d, feats[rows], paths).float()  # (R, K)
             if book is not None:
                 spine = (ranks[: len(rows), :d] == 0).all(1).tolist()  # every earlier rank 0: still on the spine
-                z = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)
+                z = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)[0]
             target = inverse[cont[rows + d + 1]]  # (R,) index in the draft vocabulary, -1 if absent
             tz = z.gather(1, target.clamp(min=0)[:, None])
             r = (z > tz).sum(-1)
             ranks[: len(rows), d] = torch.where((target >= 0) & (r < width), r, torch.full_like(r, -1)).cpu()
         z = heads.head_logits(d, feats, top_path).float()  # (N, K) along the heads' own chain
         p, idx = torch.softmax(z, -1).max(-1)
-        if book is not None:  # the chain goes on through the phrasebook's guesses; p stays the head's
-            idx = torch.softmax(_forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n), -1).max(-1)[1]
+        if book is not None:  # the chain goes on through the phrasebook's first; p is the drafter's where it gives one
+            forced, q = _forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n)
+            idx = torch.softmax(forced, -1).max(-1)[1]
+            q = torch.tensor(q, dtype=p.dtype, device=p.device)
+            p = torch.where(q >= 0, q, p)
         chain[:, d] = p.cpu()
         top_path = torch.cat([top_path, heads.to_token_ids(idx)[:, None]], dim=1)
     return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
 
 
 def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], continuation: list[int],
-            z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> torch.Tensor:
+            z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> tuple[torch.Tensor, list[float]]:
     """z (R, K), row i the head's logits at position i after `paths[i]` (the root c[i] and the
-    path on), with the phrasebook's guess made first where `active[i]` and the rule let it go
-    first: the text it reads is the prompt and c[:i], as the engine's is at that step."""
+    path on), with the tokens the rule puts first made first where `active[i]`, and per row the
+    probability the rule gives the first (-1: none, the head's stands): the text it reads is the
+    prompt and c[:i], as the engine's is at that step."""
     text = book.context(prompt)
     force = forcer(text, rule, heads.draft_vocab)
     probs = torch.softmax(z, -1).max(-1).values.tolist()
-    out, held = z, 0
+    out, held, conf = z, 0, [-1.0] * len(active)
     for i, on in enumerate(active):
         if not on:
             continue
         text.extend(continuation[held:i])
         held = i
-        forced = force(paths[i], probs[i], z[i])
+        forced, conf[i] = force(paths[i], probs[i], z[i])
         if forced:
             out = out.clone() if out is z else out
             out[i] = force_row(z[i], forced)
-    return out
+    return out, conf
 
 
 def draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
     chain from the same root and feature: its heads are not run again. `force` (a phrasebook's,
     `phrasebook.forcer`) may put other tokens first at each node: that row's logits then rank them
-    first (`phrasebook.force_row`), the path goes on through the first, and p_d stays the head's own
-    top-1 probability.
+    first (`phrasebook.force_row`), the path goes on through the first, and p_d is the probability
+    it gives for that token (a reranker's), else the head's own top-1 probability.
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
@@ -49,10 +49,12 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     for d in range(path.shape[1] - 1, depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
-        forced = force(path[0].tolist(), float(p), row) if force is not None else []
+        forced, q = force(path[0].tolist(), float(p), row) if force is not None else ([], -1.0)
         if forced:
             row = force_row(row, forced)
             idx = torch.tensor(forced[0], device=row.device)
+        if q >= 0:  # the drafter's probability for the spine's token (`phrasebook.forcer`)
+            p = torch.tensor(q, dtype=p.dtype, device=p.device)
         logits.append(row)
         probs.append(p)
         path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)

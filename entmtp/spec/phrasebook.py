@@ -242,15 +242,20 @@ class Reranker:
                 x = np.tanh(x)
         return x[:, 0]
 
-    def rank(self, matches: list, head_idx: list[int], head_logp: list[float], depth: int, ids: list[int] | None = None) -> list[int]:
-        """The `first` best tokens at a node: `matches` = `Context.matches` there, the head's top
-        draft indices `head_idx` (token ids through `ids`, the draft vocabulary, where given) with
-        their log-probabilities, `depth` = the node's (0: the first head's)."""
+    def rank(self, matches: list, head_idx: list[int], head_logp: list[float], depth: int,
+             ids: list[int] | None = None) -> tuple[list[int], list[float]]:
+        """The `first` best tokens at a node and the probability the scorer gives each (a softmax
+        over the candidates: its confidence that the token comes next): `matches` =
+        `Context.matches` there, the head's top draft indices `head_idx` (token ids through `ids`,
+        the draft vocabulary, where given) with their log-probabilities, `depth` = the node's (0:
+        the first head's)."""
         tokens = [ids[i] for i in head_idx] if ids else head_idx
         cands, x = candidate_features(matches, tokens, head_logp, depth)
         s = self.scores(x)
-        best = sorted(range(len(cands)), key=lambda i: -s[i])  # stable: the first candidate on a tie
-        return [cands[i] for i in best[: self.first]]
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        best = sorted(range(len(cands)), key=lambda i: -s[i])[: self.first]  # stable: the first candidate on a tie
+        return [cands[i] for i in best], [float(p[i]) for i in best]
 
 
 def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
@@ -262,15 +267,19 @@ def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
 
 
 Rule = PhrasebookRule | Reranker
-Forcer = Callable[[Sequence[int], float, torch.Tensor], list[int]]  # (spine path from the root, head's top-1 prob, its logits) -> draft indices
+Forcer = Callable[[Sequence[int], float, torch.Tensor], tuple[list[int], float]]
+"""(spine path from the root, the head's top-1 probability, its logits) -> (the draft indices to
+put first, the drafter's probability for the first of them, or -1: the head's own stands)."""
 
 
 def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
     """What drafting asks at each node of the rank-0 spine: the draft-vocabulary indices of the
     tokens that go first after `path` (the root and the spine so far, after the text of `ctx`),
-    best first ([]: the head's own ranking). Under a `PhrasebookRule`, the phrasebook's guess where
-    the rule lets it; under a `Reranker`, its best candidates. A token outside the heads' draft
-    vocabulary (empty: the whole vocabulary) cannot be drafted and is passed over."""
+    best first ([]: the head's own ranking), and the probability the spine's next token is right.
+    Under a `PhrasebookRule`, the phrasebook's guess where the rule lets it, the head's top-1
+    probability standing (-1); under a `Reranker`, its best candidates and its probability for the
+    first, which the path value then reads. A token outside the heads' draft vocabulary (empty:
+    the whole vocabulary) cannot be drafted and is passed over."""
     ids = draft_vocab.tolist()
     index = {t: i for i, t in enumerate(ids)} if ids else None
 
@@ -279,19 +288,21 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
         return [i for i in out if i is not None]
 
     if isinstance(rule, Reranker):
-        def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> list[int]:
+        def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
             lp, idx = head_top(row)
-            return to_index(rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids))
+            tokens, probs = rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids)
+            kept = [(i, q) for i, q in zip((t if index is None else index.get(t) for t in tokens), probs) if i is not None]
+            return [i for i, _ in kept], (kept[0][1] if kept else -1.0)
 
         return rerank
 
-    def force(path: Sequence[int], head_p: float, row: torch.Tensor) -> list[int]:
+    def force(path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
         if head_p >= rule.max_head_p:
-            return []
+            return [], -1.0
         guess = ctx.propose(path, rule.min_n)
         if guess is None or guess.share < rule.min_share:
-            return []
-        return to_index([guess.token])
+            return [], -1.0
+        return to_index([guess.token]), -1.0
 
     return force
 

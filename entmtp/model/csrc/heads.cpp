@@ -94,8 +94,10 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
     const auto p = at::softmax(z, -1).contiguous();
     int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
     probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[idx];
-    const auto forced = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx]), z.view({-1}))
-                                          : std::vector<int64_t>{};
+    const auto asked = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx]), z.view({-1}))
+                                         : std::pair<std::vector<int64_t>, double>{{}, -1.0};
+    const auto& forced = asked.first;
+    if (asked.second >= 0) probs.data_ptr<float>()[d - first] = static_cast<float>(asked.second);
     if (!forced.empty()) {  // phrasebook.force_row: the row's maximum + m - j at the j-th of m (float32, as ATen adds)
       z = z.contiguous();
       float* zp = z.data_ptr<float>();

@@ -33,14 +33,16 @@ struct HeadChain {
   HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads, at::Tensor embed,
             at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa);
 
-  // (the path from the root, the head's top-1 probability, its logits [K]) -> the draft indices
-  // to put first, best first (none: the head's own ranking)
-  using Force = std::function<std::vector<int64_t>(const std::vector<int64_t>&, double, const at::Tensor&)>;
+  // (the path from the root, the head's top-1 probability, its logits [K]) -> (the draft indices
+  // to put first, best first (none: the head's own ranking); the probability recorded for the
+  // node, or < 0: the head's top-1 probability stands)
+  using Force = std::function<std::pair<std::vector<int64_t>, double>(const std::vector<int64_t>&, double, const at::Tensor&)>;
 
   // From `path` (the root and the chain's first tokens) on to `depth`: per head, its draft
   // logits [n, K] and top-1 probability [n]. `force` (a phrasebook's, spec/phrasebook.py) may
   // name m draft indices at each node: the j-th's entry becomes the row's maximum + m - j (so
-  // they rank first, as `phrasebook.force_row` makes them) and the path goes on through the first.
+  // they rank first, as `phrasebook.force_row` makes them), the path goes on through the first,
+  // and the node's probability is the one it gives where it gives one.
   std::tuple<at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                            c10::optional<Force> force = c10::nullopt) const;
 

@@ -63,13 +63,13 @@ def positions(rt, heads, book, prompts: list[list[int]], store, task: str) -> li
             top.append(z.topk(HEAD_CANDIDATES, -1))
         ctx = book.context(p)
         for i in range(n - 1):
-            ctx.extend([cont[i]])
+            ctx.extend(cont[i - 1 : i])  # the text is the prompt and c[:i]; the root c[i] and the path on come as `extra`, as when drafting
             for d in range(min(DEPTHS, n - 1 - i)):
                 path = cont[i : i + d + 1]
                 lp, idx = top[d][0][i].tolist(), top[d][1][i].tolist()
                 head_tokens = [ids[k] for k in idx] if ids else idx
-                cands, x = candidate_features(ctx.matches(path[1:]), head_tokens, lp, d)
-                guess = ctx.propose(path[1:], rule.min_n)
+                cands, x = candidate_features(ctx.matches(path), head_tokens, lp, d)
+                guess = ctx.propose(path, rule.min_n)
                 ruled = guess.token if guess and guess.share >= rule.min_share and np.exp(lp[0]) < rule.max_head_p else head_tokens[0]
                 rows.append({"d": d, "true": cont[i + d + 1], "cands": cands, "x": x, "head": head_tokens[:2], "rule": ruled})
     return rows

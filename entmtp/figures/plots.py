@@ -149,8 +149,8 @@ def features_figure(
     lie in [0, 1]).
     """
     title = "What the policy sees, and the tree it picks"
-    sub = ("s = the model's top-1 probability (high → bigger tree); g_D = s × the heads' top-1 probabilities "
-           "down the chosen tree; dotted: entropy")
+    sub = ("s = the model's top-1 probability (high → bigger tree); g_D = s × the drafter's probabilities "
+           "down the spine (the reranker's where the phrasebook drafts, else the heads' top-1); dotted: entropy")
     if not records:
         return empty_figure(title, "The scheduler's feature and choice per step appear here.", height, sub)
     fig = make_subplots(

@@ -141,11 +141,12 @@ class Context:
             h = _mix(h, t)
             hashes.append(h)
         out = []
-        for n in range(top, 0, -1):
+        for n in range(1, top + 1):  # a suffix seen in neither place has no longer one seen there: stop at it
             local, hit = self._seen.get(tuple(seq[-n:])), self.book.tables[n].get(hashes[n])
-            if local or hit is not None:
-                out.append((n, local or None, hit))
-        return out
+            if not local and hit is None:
+                break
+            out.append((n, local or None, hit))
+        return out[::-1]
 
     def propose(self, extra: Sequence[int] = (), min_n: int = 1) -> Proposal | None:
         """The next token after the text so far followed by `extra`: the longest suffix (at least

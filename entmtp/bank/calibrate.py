@@ -26,7 +26,7 @@ from entmtp.machine import describe_fingerprint
 from entmtp.spec import drafting
 from entmtp.spec.engine import Engine, Strategy
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
+from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule, forcer
 from entmtp.spec.topology import Tree
 
 
@@ -143,18 +143,26 @@ class RoundRobin:
 
 
 @torch.inference_mode()
-def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15) -> list[float]:
-    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs)."""
+def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Phrasebook | None = None,
+                  rule: Rule | None = None) -> list[float]:
+    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs);
+    with `book`, asking it at every node as drafting does (under `rule` where it is a reranker,
+    else a share rule that always asks), over a text of random tokens."""
     if heads is None or depth == 0:
         return [0.0] * (depth + 1)
     w = heads._base["lm_head"].weight
     feature = torch.randn(heads.hidden_size, dtype=w.dtype, device=w.device)
+    force = None
+    if book is not None:
+        g = torch.Generator().manual_seed(0)
+        text = book.context(torch.randint(1, w.shape[0], (128,), generator=g).tolist())
+        force = forcer(text, rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0), heads.draft_vocab)
     out = [0.0]
     for d in range(1, depth + 1):
         times = []
         for _ in range(reps + 2):
             t0 = time.perf_counter()
-            drafting.top1_chain(heads, feature, 1, d)
+            drafting.top1_chain(heads, feature, 1, d, force=force)
             if w.device.type == "cuda":
                 torch.cuda.synchronize(w.device)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -192,7 +200,7 @@ def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
     costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn, book, rule)
     context_cost = measure_context_cost(engine, heads, trees, cfg, turn, book, rule)
     with turn():
-        chain = measure_chain(heads, max(t.max_depth for t in trees))
+        chain = measure_chain(heads, max(t.max_depth for t in trees), book=book, rule=rule)
     measured_s = time.perf_counter() - t0
     out = {}
     for task, bank in banks.items():

@@ -145,3 +145,27 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind):
         assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
         gained += len(real.steps) < tr.decode_with(tree, plain)[1]
     assert gained, "the book should save steps on these prompts"
+
+
+def test_a_bank_names_its_reranker_and_refuses_a_changed_one(tmp_path):
+    from entmtp.bank.bank import BankError, phrasebook_rule, rule_provenance
+    from entmtp.config import PhrasebookRule
+
+    w = np.zeros((N_FEATURES, 1))
+    w[10, 0] = 1.0
+    path = tmp_path / "reranker.json"
+    Reranker(((w, np.zeros(1)),), first=2).save(path, {"heads_sha256": "abc"})
+    rr = Reranker.load(path)
+    assert (rr.first, rr.heads_sha256, len(rr.sha256)) == (2, "abc", 16)
+    prov = {"phrasebook": rule_provenance(rr)}
+    again = phrasebook_rule(prov)
+    assert isinstance(again, Reranker) and again.sha256 == rr.sha256 and np.array_equal(again.layers[0][0], w)
+    share = PhrasebookRule(min_n=2, max_head_p=0.5, min_share=0.9)
+    assert phrasebook_rule({"phrasebook": rule_provenance(share)}) == share
+    assert phrasebook_rule({}) is None
+    Reranker(((2 * w, np.zeros(1)),), first=2).save(path, {"heads_sha256": "abc"})  # refitted since the traces were drafted
+    with pytest.raises(BankError, match="changed since the traces were drafted"):
+        phrasebook_rule(prov)
+    path.unlink()
+    with pytest.raises(BankError, match="is missing"):
+        phrasebook_rule(prov)

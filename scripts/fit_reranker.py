@@ -36,7 +36,7 @@ from entmtp.machine import hardware  # noqa: E402
 from entmtp.model import forward  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime  # noqa: E402
 from entmtp.spec.heads import head_features  # noqa: E402
-from entmtp.spec.phrasebook import HEAD_CANDIDATES, N_FEATURES, Phrasebook, Reranker, candidate_features  # noqa: E402
+from entmtp.spec.phrasebook import HEAD_CANDIDATES, N_FEATURES, Phrasebook, Reranker, candidate_features, softmax  # noqa: E402
 
 EVAL_SIZES = {"code": 16, "math": 16, "chat": 48, "everyday": 72}  # eval-heads' sets
 DEPTHS = 4
@@ -98,10 +98,6 @@ def fit(rows: list[dict], epochs: int = 30, seed: int = 0) -> Reranker:
     return Reranker(tuple((m.weight.detach().double().T.numpy().copy(), m.bias.detach().double().numpy().copy()) for m in lin))
 
 
-def softmax_top(s: np.ndarray) -> float:
-    return float(1.0 / np.exp(s - s.max()).sum())
-
-
 def auc(score: list[float], right: list[bool]) -> float:
     """The chance a right position scores above a wrong one (ties count half)."""
     score, right = np.asarray(score, dtype=float), np.asarray(right, dtype=bool)
@@ -119,7 +115,8 @@ def rates(rows: list[dict], rr: Reranker) -> dict:
     out = {}
     for d in range(2):
         sel = [r for r in rows if r["d"] == d]
-        picks = [[r["cands"][i] for i in np.argsort(-rr.scores(r["x"]), kind="stable")[:2]] for r in sel]
+        scores = [rr.scores(r["x"]) for r in sel]
+        picks = [[r["cands"][i] for i in np.argsort(-s, kind="stable")[:2]] for s, r in zip(scores, sel)]
         right = [p[0] == r["true"] for p, r in zip(picks, sel)]
         out[f"depth{d}"] = {"positions": len(sel),
                             "head_top1": round(np.mean([r["head"][0] == r["true"] for r in sel]), 4),
@@ -129,7 +126,7 @@ def rates(rows: list[dict], rr: Reranker) -> dict:
                             "reranker_first_two": round(np.mean([r["true"] in p for p, r in zip(picks, sel)]), 4),
                             # how well each confidence ranks the positions where the reranker's first is right
                             "auc_head_p": round(auc([r["x"][0, 13] for r in sel], right), 4),
-                            "auc_reranker_p": round(auc([softmax_top(rr.scores(r["x"])) for r in sel], right), 4)}
+                            "auc_reranker_p": round(auc([float(softmax(s).max()) for s in scores], right), 4)}
     return out
 
 

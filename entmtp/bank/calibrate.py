@@ -62,9 +62,7 @@ def measure_costs(engine: Engine, heads: DraftHeads | None, trees: list[Tree], c
     bank = TopologyBank.of(*unique)
     run = cfg.block + 1  # a block: one untimed step after the previous tree, then cfg.block timed
     blocks = max(1, -(-cfg.steps // cfg.block))
-    # a share rule asked at every node, as a real text's might; a reranker runs at every node anyway
-    timing_rule = rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0)
-    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book, timing_rule)
+    strategy = Strategy("timing", bank, RoundRobin(len(unique), run), heads if bank.max_depth else None, book, timing_rule(rule))
     room = blocks * run * sum(t.max_depth + 1 for t in unique) + max(t.n_nodes for t in unique)
     context = max(1, min(cfg.context, engine.max_positions - room - 1))  # a small model's context may be short
     g = torch.Generator().manual_seed(0)
@@ -142,6 +140,12 @@ class RoundRobin:
         return lambda s: next(turn) // self.run % self.count
 
 
+def timing_rule(rule: Rule | None) -> Rule:
+    """The rule a timing run drafts under: a bank's reranker (it runs at every node anyway), else a
+    share rule that asks the phrasebook at every node, as a real text's might."""
+    return rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0)
+
+
 @torch.inference_mode()
 def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Phrasebook | None = None,
                   rule: Rule | None = None) -> list[float]:
@@ -156,7 +160,7 @@ def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Ph
     if book is not None:
         g = torch.Generator().manual_seed(0)
         text = book.context(torch.randint(1, w.shape[0], (128,), generator=g).tolist())
-        force = forcer(text, rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0), heads.draft_vocab)
+        force = forcer(text, timing_rule(rule), heads.draft_vocab)
     out = [0.0]
     for d in range(1, depth + 1):
         times = []

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from entmtp.config import PhrasebookRule
+from entmtp.config import ROOT, PhrasebookRule
 
 MAX_N = 8  # the longest suffix looked up
 _MUL = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
@@ -218,8 +218,6 @@ class Reranker:
 
     @classmethod
     def load(cls, path: Path) -> "Reranker":
-        from entmtp.config import ROOT
-
         raw = path.read_bytes()
         d = json.loads(raw)
         layers = tuple((np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64)) for w, b in d["layers"])
@@ -253,10 +251,15 @@ class Reranker:
         tokens = [ids[i] for i in head_idx] if ids else head_idx
         cands, x = candidate_features(matches, tokens, head_logp, depth)
         s = self.scores(x)
-        p = np.exp(s - s.max())
-        p /= p.sum()
+        p = softmax(s)
         best = sorted(range(len(cands)), key=lambda i: -s[i])[: self.first]  # stable: the first candidate on a tie
         return [cands[i] for i in best], [float(p[i]) for i in best]
+
+
+def softmax(s: np.ndarray) -> np.ndarray:
+    """The scorer's probabilities over the candidates from their scores (C,)."""
+    p = np.exp(s - s.max())
+    return p / p.sum()
 
 
 def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
@@ -284,16 +287,15 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
     ids = draft_vocab.tolist()
     index = {t: i for i, t in enumerate(ids)} if ids else None
 
-    def to_index(tokens: list[int]) -> list[int]:
-        out = [t if index is None else index.get(t) for t in tokens]
-        return [i for i in out if i is not None]
+    def draftable(tokens: list[int], probs: list[float]) -> tuple[list[int], float]:
+        """The tokens' draft indices, those outside the vocabulary passed over, and the first kept one's probability."""
+        kept = [(i, q) for i, q in zip((t if index is None else index.get(t) for t in tokens), probs) if i is not None]
+        return [i for i, _ in kept], (kept[0][1] if kept else -1.0)
 
     if isinstance(rule, Reranker):
         def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
             lp, idx = head_top(row)
-            tokens, probs = rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids)
-            kept = [(i, q) for i, q in zip((t if index is None else index.get(t) for t in tokens), probs) if i is not None]
-            return [i for i, _ in kept], (kept[0][1] if kept else -1.0)
+            return draftable(*rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids))
 
         return rerank
 
@@ -303,7 +305,7 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
         guess = ctx.propose(path, rule.min_n)
         if guess is None or guess.share < rule.min_share:
             return [], -1.0
-        return to_index([guess.token]), -1.0
+        return draftable([guess.token], [-1.0])  # the head's top-1 probability stands
 
     return force
 

@@ -103,7 +103,45 @@ def test_the_book_holds_answers_to_training_prompts_only():
 
 
 @pytest.mark.parametrize("kind", ["share rule", "reranker"])
-def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind):
+@pytest.mark.parametrize("vocab", ["whole", "draft"])
+def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab):
+    """csrc/phrasebook.cpp against `forcer` in Python, on texts that grow between calls: the same
+    draft indices first, in the same order, and the same probability to 1e-12 (float64 sums in
+    another order), under the share rule and a two-layer reranker, over the whole vocabulary and a
+    draft vocabulary that leaves tokens out."""
+    from entmtp.config import PhrasebookRule
+    from entmtp.model import ext
+    from entmtp.spec.phrasebook import NativeForcer, forcer
+
+    if ext.extension() is None:
+        pytest.skip(f"the extension cannot serve here: {ext._state.get('error')}")
+    rng, gen = random.Random(3), np.random.default_rng(3)
+    V = 12
+    book = Phrasebook(_sequences(4), max_n=4)
+    draft_vocab = torch.tensor([0, 2, 3, 5, 7, 8, 11] if vocab == "draft" else [], dtype=torch.long)
+    K = len(draft_vocab) or V
+    rule = (PhrasebookRule(min_n=1, max_head_p=0.8, min_share=0.3) if kind == "share rule" else
+            Reranker(((gen.normal(size=(N_FEATURES, 8)), gen.normal(size=8)), (gen.normal(size=(8, 1)), gen.normal(size=1))), first=2))
+    forced = 0
+    for _ in range(6):
+        prompt = [rng.randrange(V) for _ in range(rng.randrange(0, 10))]
+        a, b = book.context(prompt), book.context(prompt)
+        native, python = forcer(a, rule, draft_vocab), forcer(b, rule, draft_vocab, native=False)
+        assert isinstance(native, NativeForcer) and not isinstance(python, NativeForcer)
+        for _ in range(30):
+            path = [rng.randrange(V) for _ in range(rng.randrange(1, 5))]
+            row, head_p = torch.randn(K) * 2, rng.random()
+            (i1, p1), (i2, p2) = native(path, head_p, row), python(path, head_p, row)
+            assert i1 == i2 and (p1 < 0) == (p2 < 0) and p1 == pytest.approx(p2, abs=1e-12)
+            forced += bool(i1)
+            more = [rng.randrange(V) for _ in range(rng.randrange(0, 3))]
+            a.extend(more), b.extend(more)
+    assert forced > 30, "the book should put tokens first often on these texts"
+
+
+@pytest.mark.parametrize("kind", ["share rule", "reranker"])
+@pytest.mark.parametrize("native", [True, False], ids=["native forcer", "python forcer"])
+def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, monkeypatch):
     """With the book first on the spine (under the share rule, or a reranker putting two
     candidates first) the engine still decodes `generate`'s tokens, and a bank's traces recorded
     with it predict every tree's steps exactly (the served Q8 arithmetic, where a head's row
@@ -130,6 +168,12 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind):
         w[0, 0], w[10, 0] = 1.0, 3.0
         rule = Reranker(((w, np.zeros(1)),), first=2)
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
+    from entmtp.model import ext
+    from entmtp.spec.phrasebook import NativeForcer, forcer
+
+    if not native:  # the Python forcer, called back at each node (where the extension is not loaded)
+        monkeypatch.setattr(ext, "loaded", lambda: None)
+    assert isinstance(forcer(book.context(prompt), rule, heads.draft_vocab), NativeForcer) == native
     plain = rec.record(engine, heads, prompt, ref, 3)
     trace = rec.record(engine, heads, prompt, ref, 3, book=book, rule=rule)
     assert trace.ranks != plain.ranks  # the book moved ranks

@@ -17,7 +17,7 @@ import torch
 from entmtp.machine import cpu_info
 
 GGUF_ENV = "ENTMTP_GGUF_KERNELS"  # 0/false/off/no: serve without the GGUF kernels
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp", "layers.cpp", "heads.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp", "layers.cpp", "heads.cpp", "phrasebook.cpp")]
 # AVX2 is the floor the extension is built for; the AVX-512 VNNI kernels carry their own target
 # attributes and run only where the CPU reports them (`isas`). No contraction: d * q + m as numpy
 # rounds it, and the Q8 finish's multiply and fma exactly as the scalar reference writes them.

@@ -242,7 +242,11 @@ class DraftHeads(nn.Module):
         top-1 probabilities; None elsewhere. `force`: `drafting.top1_logits`'s."""
         if self._chain is None or feature.device.type != "cpu":
             return None
-        logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
+        native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
+        if native is not None:
+            logits, probs = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native())
+        else:
+            logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
         return list(logits.unbind(0)), probs
 
     def _whole_blocks(self) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from entmtp.config import ROOT, PhrasebookRule
+from entmtp.model import ext
 
 MAX_N = 8  # the longest suffix looked up
 _MUL = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
@@ -97,6 +98,15 @@ class Phrasebook:
         self.n_tokens = len(tokens)
         offset = np.concatenate([np.arange(len(s)) for s in seqs]) if seqs else np.zeros(0, dtype=np.int64)
         self.tables = {n: _table(tokens, offset, n) for n in range(1, max_n + 1)}
+        self._native = None
+
+    def native(self, kernels):
+        """The extension's view of the tables (`kernels.PhraseBook`, sharing their memory), made once."""
+        if self._native is None:
+            parts = [[torch.from_numpy(np.ascontiguousarray(a)) for a in (t.keys.view(np.int64), t.token, t.count, t.total)]
+                     for t in (self.tables[n] for n in range(1, self.max_n + 1))]
+            self._native = kernels.PhraseBook(parts, self.max_n)
+        return self._native
 
     def context(self, tokens: Sequence[int] = ()) -> "Context":
         """A running context (the prompt, then each step's accepted tokens) over this book."""
@@ -276,7 +286,27 @@ Forcer = Callable[[Sequence[int], float, torch.Tensor], tuple[list[int], float]]
 put first, the drafter's probability for the first of them, or -1: the head's own stands)."""
 
 
-def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
+class NativeForcer:
+    """`forcer`'s callable run by the extension (`csrc/phrasebook.cpp`, the same steps in C++):
+    it keeps its own copy of the text, brought up to `ctx`'s before each use, and `HeadChain`
+    calls it at each node without returning to Python (`heads.top1_on_blocks`)."""
+
+    def __init__(self, ctx: Context, native):
+        self.ctx, self.native, self.synced = ctx, native, 0
+
+    def sync(self):
+        """The extension's forcer, its text now `ctx`'s."""
+        if len(self.ctx.tokens) > self.synced:
+            self.native.extend(self.ctx.tokens[self.synced :])
+            self.synced = len(self.ctx.tokens)
+        return self.native
+
+    def __call__(self, path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
+        idx, p = self.sync().force([int(t) for t in path], float(head_p), row)
+        return list(idx), p
+
+
+def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = True) -> Forcer:
     """What drafting asks at each node of the rank-0 spine: the draft-vocabulary indices of the
     tokens that go first after `path` (the root and the spine so far, after the text of `ctx`),
     best first ([]: the head's own ranking), and the probability the spine's next token is right.
@@ -284,6 +314,13 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor) -> Forcer:
     probability standing (-1); under a `Reranker`, its best candidates and its probability for the
     first, which the path value then reads. A token outside the heads' draft vocabulary (empty:
     the whole vocabulary) cannot be drafted and is passed over."""
+    kernels = ext.loaded() if native else None  # where the served model runs on the extension, so does this
+    if kernels is not None:
+        layers = [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in rule.layers] if isinstance(rule, Reranker) else []
+        first = rule.first if isinstance(rule, Reranker) else 1
+        share = (0, 0.0, 0.0) if isinstance(rule, Reranker) else (rule.min_n, rule.max_head_p, rule.min_share)
+        force = kernels.PhraseForcer(ctx.book.native(kernels), draft_vocab.cpu(), layers, first, *share)
+        return NativeForcer(ctx, force)
     ids = draft_vocab.tolist()
     index = {t: i for i, t in enumerate(ids)} if ids else None
 

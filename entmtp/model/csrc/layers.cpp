@@ -10,6 +10,7 @@
 // single IEEE multiplications and additions (built without contraction), the same bits as ATen's.
 #include "gguf_linear.h"
 #include "heads.h"
+#include "phrasebook.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/argmax.h>
@@ -522,5 +523,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
       .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs)",
-           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none());
+           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none())
+      .def(
+          "chain_native",
+          [](const HeadChain& c, at::Tensor feature, std::vector<int64_t> path, int64_t depth, const PhraseForcer& forcer) {
+            return c.chain(feature, std::move(path), depth,
+                           HeadChain::Force([&forcer](const std::vector<int64_t>& p, double head_p, const at::Tensor& row) {
+                             return forcer.force(p, head_p, row);
+                           }));
+          },
+          "`chain` with a native phrasebook forcer: no call back into Python at a node");
+  pybind11::class_<PhraseBook, std::shared_ptr<PhraseBook>>(mod, "PhraseBook")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t>());
+  pybind11::class_<PhraseForcer>(mod, "PhraseForcer")
+      .def(pybind11::init<std::shared_ptr<PhraseBook>, at::Tensor, std::vector<std::pair<at::Tensor, at::Tensor>>, int64_t, int64_t, double,
+                          double>())
+      .def("extend", &PhraseForcer::extend)
+      .def("force", &PhraseForcer::force)
+      .def("scores", &PhraseForcer::scores);
 }

@@ -1,0 +1,254 @@
+// The phrasebook's drafting rule, natively: step for step what spec/phrasebook.py computes
+// (`Context.matches`, `Context.propose`, `candidate_features`, `Reranker.rank`, `forcer`), so the
+// same tokens go first. The reranker's float64 arithmetic runs in its own order (products summed
+// input by input, no contraction): its probabilities agree with numpy's to ~1e-15, and the bank's
+// traces, recorded through this same code where the extension serves, read the very bits the
+// engine drafts with.
+#include "phrasebook.h"
+
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/topk.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace {
+
+constexpr uint64_t kMul = 0x9E3779B97F4A7C15ULL;  // phrasebook._MUL
+constexpr int64_t kHeadCandidates = 16;           // phrasebook.HEAD_CANDIDATES
+constexpr int64_t kFeatures = 14;                 // phrasebook.N_FEATURES
+
+inline uint64_t mix(uint64_t h, int64_t t) { return (h ^ static_cast<uint64_t>(t + 1)) * kMul; }
+
+}  // namespace
+
+PhraseBook::PhraseBook(std::vector<std::vector<at::Tensor>> t, int64_t max_n) : max_n(max_n) {
+  TORCH_CHECK(static_cast<int64_t>(t.size()) == max_n, "PhraseBook: one table per n-gram length");
+  for (auto& parts : t) {
+    TORCH_CHECK(parts.size() == 4, "PhraseBook: a table is (keys, token, count, total)");
+    for (auto& p : parts) TORCH_CHECK(p.scalar_type() == at::kLong && p.is_contiguous() && p.dim() == 1, "PhraseBook: int64 vectors");
+    TORCH_CHECK(parts[1].numel() == parts[0].numel() && parts[2].numel() == parts[0].numel() && parts[3].numel() == parts[0].numel(),
+                "PhraseBook: a table's vectors have one length");
+    tables.push_back({parts[0], parts[1], parts[2], parts[3]});
+  }
+}
+
+bool PhraseBook::get(int64_t n, uint64_t h, std::array<int64_t, 3>& out) const {
+  const Table& t = tables[n - 1];
+  const auto* keys = reinterpret_cast<const uint64_t*>(t.keys.data_ptr<int64_t>());
+  const int64_t size = t.keys.numel();
+  const auto* at_ = std::lower_bound(keys, keys + size, h);  // numpy.searchsorted, side "left"
+  if (at_ == keys + size || *at_ != h) return false;
+  const int64_t i = at_ - keys;
+  out = {t.token.data_ptr<int64_t>()[i], t.count.data_ptr<int64_t>()[i], t.total.data_ptr<int64_t>()[i]};
+  return true;
+}
+
+size_t PhraseForcer::KeyHash::operator()(const Key& k) const {
+  uint64_t h = 0;
+  for (auto it = k.gram.rbegin(); it != k.gram.rend(); ++it) h = mix(h, *it);
+  return static_cast<size_t>(h);
+}
+
+PhraseForcer::PhraseForcer(std::shared_ptr<PhraseBook> book, at::Tensor draft_vocab, std::vector<std::pair<at::Tensor, at::Tensor>> ls,
+                           int64_t first, int64_t min_n, double max_head_p, double min_share)
+    : book(std::move(book)), first(first), min_n(min_n), max_head_p(max_head_p), min_share(min_share) {
+  if (draft_vocab.defined() && draft_vocab.numel() > 0) {
+    auto dv = draft_vocab.to(at::kLong).contiguous();
+    ids.assign(dv.data_ptr<int64_t>(), dv.data_ptr<int64_t>() + dv.numel());
+    index.assign(*std::max_element(ids.begin(), ids.end()) + 1, -1);
+    for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = static_cast<int64_t>(i);
+  }
+  int64_t in = kFeatures;
+  for (auto& [w, b] : ls) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == in && b.numel() == w.size(1), "PhraseForcer: layer shapes (", in, ", out), (out,)");
+    auto wc = w.to(at::kDouble).contiguous(), bc = b.to(at::kDouble).contiguous();
+    layers.push_back({std::vector<double>(wc.data_ptr<double>(), wc.data_ptr<double>() + wc.numel()),
+                      std::vector<double>(bc.data_ptr<double>(), bc.data_ptr<double>() + bc.numel())});
+    in = w.size(1);
+    widths.push_back(in);
+  }
+  TORCH_CHECK(layers.empty() || in == 1, "PhraseForcer: a reranker gives one score");
+}
+
+void PhraseForcer::extend(const std::vector<int64_t>& more) {
+  for (int64_t t : more) {  // Context.extend
+    const int64_t k = static_cast<int64_t>(tokens.size());
+    for (int64_t n = 1; n <= std::min(book->max_n, k); ++n) {
+      Followers& f = seen[Key{std::vector<int64_t>(tokens.end() - n, tokens.end())}];
+      auto it = std::find_if(f.begin(), f.end(), [t](const auto& e) { return e.first == t; });
+      if (it == f.end())
+        f.push_back({t, 1});
+      else
+        ++it->second;
+    }
+    tokens.push_back(t);
+  }
+}
+
+std::vector<PhraseForcer::Match> PhraseForcer::matches(const std::vector<int64_t>& extra) const {
+  // Context.matches: every suffix of the text and `extra` seen in the text or the book, longest first
+  std::vector<int64_t> seq(tokens.end() - std::min<int64_t>(book->max_n, tokens.size()), tokens.end());
+  seq.insert(seq.end(), extra.begin(), extra.end());
+  const int64_t top = std::min<int64_t>(book->max_n, seq.size());
+  std::vector<Match> out;
+  uint64_t h = 0;
+  Key key;
+  for (int64_t n = 1; n <= top; ++n) {
+    const int64_t t = seq[seq.size() - n];
+    h = mix(h, t);
+    key.gram.insert(key.gram.begin(), t);
+    Match m{n, nullptr, false, {0, 0, 0}};
+    auto it = seen.find(key);
+    if (it != seen.end() && !it->second.empty()) m.local = &it->second;
+    m.hit = book->get(n, h, m.book);
+    if (!m.local && !m.hit) break;
+    out.push_back(m);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+std::vector<double> PhraseForcer::scores(const std::vector<std::array<double, 14>>& x) const {
+  std::vector<double> out;
+  for (const auto& row : x) {
+    std::vector<double> a(row.begin(), row.end());
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const auto& [w, b] = layers[l];
+      const int64_t in = static_cast<int64_t>(a.size()), width = widths[l];
+      std::vector<double> y(width, 0.0);
+      for (int64_t k = 0; k < in; ++k)  // each output summed input by input (vectorised across outputs)
+        for (int64_t j = 0; j < width; ++j) y[j] += a[k] * w[k * width + j];
+      for (int64_t j = 0; j < width; ++j) y[j] = l + 1 < layers.size() ? std::tanh(y[j] + b[j]) : y[j] + b[j];
+      a = std::move(y);
+    }
+    out.push_back(a[0]);
+  }
+  return out;
+}
+
+std::pair<std::vector<int64_t>, double> PhraseForcer::draftable(const std::vector<int64_t>& toks, const std::vector<double>& probs) const {
+  std::vector<int64_t> kept;
+  double p = -1.0;
+  for (size_t i = 0; i < toks.size(); ++i) {
+    int64_t j = toks[i];
+    if (!ids.empty()) j = toks[i] >= 0 && toks[i] < static_cast<int64_t>(index.size()) ? index[toks[i]] : -1;
+    if (j < 0) continue;
+    if (kept.empty()) p = probs[i];
+    kept.push_back(j);
+  }
+  return {kept, p};
+}
+
+std::pair<std::vector<int64_t>, double> PhraseForcer::force(const std::vector<int64_t>& path, double head_p, const at::Tensor& row) const {
+  if (layers.empty()) {  // the share rule: the phrasebook's guess where the head is unsure, its probability standing
+    if (head_p >= max_head_p) return {{}, -1.0};
+    for (const auto& m : matches(path)) {  // Context.propose(path, min_n)
+      if (m.n < min_n) break;
+      int64_t token;
+      double share;
+      if (m.local) {
+        const auto* best = &(*m.local)[0];
+        int64_t total = 0;
+        for (const auto& e : *m.local) {
+          total += e.second;
+          if (e.second > best->second) best = &e;  // the first seen of the largest count
+        }
+        token = best->first;
+        share = static_cast<double>(best->second) / static_cast<double>(total);
+      } else {
+        token = m.book[0];
+        share = static_cast<double>(m.book[1]) / static_cast<double>(m.book[2]);
+      }
+      if (share < min_share) return {{}, -1.0};
+      return draftable({token}, {-1.0});
+    }
+    return {{}, -1.0};
+  }
+  // head_top: the head's best draft indices and log-probabilities, by the same ATen operations
+  const auto logp = at::log_softmax(row.to(at::kFloat).reshape({-1}), -1);
+  const auto [top, idx] = at::topk(logp, std::min<int64_t>(kHeadCandidates, logp.numel()));
+  const auto topc = top.contiguous();
+  const auto idxc = idx.contiguous();
+  const float* lp = topc.data_ptr<float>();
+  const int64_t* ix = idxc.data_ptr<int64_t>();
+  const int64_t h = topc.numel();
+  // candidate_features
+  std::vector<int64_t> cands;
+  std::vector<std::array<double, 14>> feats;
+  std::unordered_map<int64_t, size_t> where;
+  auto slot = [&](int64_t t) -> std::array<double, 14>& {
+    auto [it, added] = where.try_emplace(t, cands.size());
+    if (added) {
+      cands.push_back(t);
+      feats.push_back({});
+    }
+    return feats[it->second];
+  };
+  for (int64_t k = 0; k < h; ++k) {
+    auto& f = slot(ids.empty() ? ix[k] : ids[ix[k]]);
+    f[0] = std::max(static_cast<double>(lp[k]), -20.0) / 10;
+    f[1] = k == 0 ? 1.0 : 0.0;
+    f[2] = 1.0;
+  }
+  const auto ms = matches(path);
+  bool has_proposed = false;
+  int64_t proposed = 0;
+  for (const auto& m : ms) {
+    if (m.local) {
+      int64_t total = 0;
+      const std::pair<int64_t, int64_t>* best = &(*m.local)[0];
+      for (const auto& e : *m.local) {
+        total += e.second;
+        if (e.second > best->second) best = &e;
+      }
+      for (const auto& e : *m.local) {
+        auto& f = slot(e.first);
+        if (f[3] == 0) {
+          f[3] = static_cast<double>(m.n) / 8;
+          f[4] = static_cast<double>(e.second) / static_cast<double>(total);
+          f[5] = std::log1p(static_cast<double>(e.second)) / 3;
+          f[6] = e.first == best->first ? 1.0 : 0.0;
+        }
+      }
+      if (!has_proposed) proposed = best->first, has_proposed = true;
+    }
+    if (m.hit) {
+      auto& f = slot(m.book[0]);
+      if (f[7] == 0) {
+        f[7] = static_cast<double>(m.n) / 8;
+        f[8] = static_cast<double>(m.book[1]) / static_cast<double>(m.book[2]);
+        f[9] = std::log1p(static_cast<double>(m.book[2])) / 5;
+      }
+      if (!has_proposed) proposed = m.book[0], has_proposed = true;
+    }
+  }
+  const double longest = ms.empty() ? 0.0 : static_cast<double>(ms[0].n) / 8;
+  const double p1 = h ? std::exp(static_cast<double>(lp[0])) : 0.0;
+  const double depth = static_cast<double>(path.size()) - 1;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    auto& f = feats[i];
+    if (f[2] == 0) f[0] = -2.0;
+    f[10] = has_proposed && cands[i] == proposed ? 1.0 : 0.0;
+    f[11] = longest;
+    f[12] = depth;
+    f[13] = p1;
+  }
+  // Reranker.rank: the `first` best (the first candidate on a tie), their softmax probabilities
+  const auto s = scores(feats);
+  const double mx = *std::max_element(s.begin(), s.end());
+  std::vector<double> e(s.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < s.size(); ++i) sum += (e[i] = std::exp(s[i] - mx));
+  std::vector<size_t> order(s.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return -s[a] < -s[b]; });
+  std::vector<int64_t> toks;
+  std::vector<double> probs;
+  for (size_t i = 0; i < order.size() && static_cast<int64_t>(i) < first; ++i) {
+    toks.push_back(cands[order[i]]);
+    probs.push_back(e[order[i]] / sum);
+  }
+  return draftable(toks, probs);
+}

@@ -9,7 +9,7 @@ from typing import Any
 
 from entmtp.bank.bank import pareto, policies_json
 from entmtp.bank.traces import Tables, Trace, foresight, simulate, spearman
-from entmtp.spec.policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy
+from entmtp.spec.policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy, path_value
 from entmtp.spec.topology import Tree
 
 
@@ -57,8 +57,9 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     front, τ over pairs of front trees, each on every feature; the feature with the best
     predicted throughput is kept. `baseline` (Hydra's tree and its step cost) is scored too.
     `chain_ms[d]` is the cost of the heads' top-1 chain to depth d: a policy on the path value
-    through d heads runs it every step, so a shallower tree then costs the difference; every d
-    from 1 to the bank's depth is fitted and the best kept (`features.path_value.depth`).
+    through d heads runs it head by head until the value settles its choice (at most d heads, as
+    the engine does), so a tree shallower than the heads read costs the difference; every d from 1
+    to the bank's depth is fitted and the best kept (`features.path_value.depth`).
     """
     measured, step_ms = list(step_ms), monotone_costs(trees, step_ms)
     all_trees = trees + ([baseline[0]] if baseline else [])
@@ -76,12 +77,15 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         top = len(chain_ms) - 1
         return [max(0.0, chain_ms[min(d, top)] - chain_ms[min(t.max_depth, top)]) for t in all_trees]
 
-    deep = {d: [c + e for c, e in zip(costs, chain_extra(d))] for d in range(1, depth + 1)}
+    extra = [None] + [chain_extra(d) for d in range(1, depth + 1)]  # extra[d][tree]
+    partial = [[[path_value(p, c[:d]) for d in range(1, depth + 1)] for p, c in zip(t.p0, t.chain)] for t in traces]
 
     def run(policy: Policy):
         d = policy.depth or depth
-        cost = deep[d] if policy.feature == "path_value" and not isinstance(policy, StaticPolicy) else costs
-        return simulate(tables, policy.chooser, feats[(policy.feature, d if policy.feature == "path_value" else 0)], cost,
+        if policy.feature == "path_value" and not isinstance(policy, StaticPolicy):  # read head by head, as the engine does
+            reads = ([[g[:d] for g in t] for t in partial], extra)
+            return simulate(tables, policy.chooser, [], costs, prefill_ms_per_token, reads)
+        return simulate(tables, policy.chooser, feats[(policy.feature, d if policy.feature == "path_value" else 0)], costs,
                         prefill_ms_per_token)
 
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]

@@ -128,19 +128,33 @@ class Outcome:
 
 
 def simulate(tables: Tables, choose_factory: Callable[[], Callable[[float], int]], features: list[list[float]],
-             step_ms: Sequence[float], prefill_ms_per_token: float = 0.0) -> Outcome:
-    """Decode every trace under a policy: at i pick a tree from features[trace][i], jump by its acceptance."""
+             step_ms: Sequence[float], prefill_ms_per_token: float = 0.0,
+             reads: tuple[list[list[list[float]]], list[list[float]]] | None = None) -> Outcome:
+    """Decode every trace under a policy: at i pick a tree from features[trace][i], jump by its acceptance.
+
+    `reads` = (g, extra) for a policy on the path value, read head by head as the engine reads it:
+    g[trace][i] = [g_1, ..., g_d] at position i, and extra[k][tree] the cost of the chain through k
+    heads beyond the tree's own; the policy reads up to the first g_k its chooser calls settled
+    (`policy.Chooser`) and the step costs step_ms[tree] + extra[k][tree]. `features` is then unread.
+    """
     tokens = steps = 0
     ms = 0.0
     picks: list[int] = []
     for j, trace in enumerate(tables.traces):
         choose, n, i = choose_factory(), len(trace), 0
+        settled = getattr(choose, "settled", None)
         ms += prefill_ms_per_token * trace.prompt_tokens
         while i < n:
-            k = choose(features[j][i])
+            if reads is None:
+                k, cost = choose(features[j][i]), 0.0
+            else:
+                g = reads[0][j][i]
+                d = next((d for d, v in enumerate(g, 1) if settled is not None and settled(v)), len(g))
+                k = choose(g[d - 1])
+                cost = reads[1][d][k]
             a = min(tables.accepted[k][j][i], n - i)
             picks.append(k)
-            tokens, steps, ms, i = tokens + a, steps + 1, ms + step_ms[k], i + a
+            tokens, steps, ms, i = tokens + a, steps + 1, ms + step_ms[k] + cost, i + a
     return Outcome(tokens, steps, ms, picks)
 
 

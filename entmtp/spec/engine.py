@@ -68,7 +68,7 @@ class StepRecord:
     s: float
     entropy: float
     path_value: float  # value of the heads' top-1 path through the chosen tree's depth (g_D)
-    feature: float  # the value the policy read (its feature: p0, g_d through the policy's depth, exp(-entropy))
+    feature: float  # the value the policy read (p0; g_d through the heads it ran, up to its depth, stopping at the first that settles the choice; exp(-entropy))
     accepted: int  # tokens emitted this step
     accepted_nodes: list[int]  # node ids of the accepted path in the tree
     draft_tokens: list[int]  # candidate token per tree node, root first
@@ -177,6 +177,7 @@ class Engine:
         sampling = gen.temperature > 0
         rng = torch.Generator().manual_seed(gen.seed)
         choose = strategy.policy.chooser()
+        settled = getattr(choose, "settled", None)
         ctx = heads.new_context() if heads is not None else None
         text = strategy.book.context(prompt_ids) if strategy.book is not None and heads is not None else None
         force = forcer(text, strategy.rule, heads.draft_vocab) if text is not None else None
@@ -206,8 +207,13 @@ class Engine:
             s, entropy = confidence(z)
             chain, chain_probs = [], []
             if feature_name == "path_value" and heads is not None:
-                chain, chain_probs = (drafts.top1_chain(heads, feature, root, feature_depth) if drafts is not None
-                                      else drafting.top1_chain(heads, feature, root, feature_depth, force=force))
+                if drafts is not None:
+                    chain, chain_probs = drafts.top1_chain(heads, feature, root, feature_depth)
+                else:  # head by head, stopping where the value settles the choice (each deeper g is at most it)
+                    for d in range(1, feature_depth + 1):
+                        chain, chain_probs = drafting.top1_chain(heads, feature, root, d, (chain, chain_probs) if chain else None, force)
+                        if settled is not None and settled(path_value(s, chain_probs)):
+                            break
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
             idx = choose(feat)
             if past + trees[idx].n_nodes > self.max_positions:

@@ -10,6 +10,9 @@ from typing import Callable
 import torch
 
 Chooser = Callable[[float], int]
+"""feature value -> tree index; the policy's state (τ's current tree) lives inside. A chooser may
+carry `settled(value)`: whether every value at most `value` picks the tree `value` picks (so a
+path value read through fewer heads, an upper bound of the deeper ones, already decides)."""
 
 
 def confidence(z: torch.Tensor) -> tuple[float, float]:
@@ -58,7 +61,11 @@ class StaticPolicy:
     name = "static"
 
     def chooser(self) -> Chooser:
-        return lambda s: self.tree
+        def choose(s: float) -> int:
+            return self.tree
+
+        choose.settled = lambda s: True
+        return choose
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,11 @@ class LadderPolicy:
             raise ValueError(f"ladder: thresholds must increase, got {list(self.thresholds)}")
 
     def chooser(self) -> Chooser:
-        return lambda s: self.trees[bisect.bisect_right(self.thresholds, s)]
+        def choose(s: float) -> int:
+            return self.trees[bisect.bisect_right(self.thresholds, s)]
+
+        choose.settled = lambda s: not self.thresholds or s < self.thresholds[0]  # the bottom rung
+        return choose
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,8 @@ class TauPolicy:
                 state["tree"] = self.large
             return state["tree"]
 
+        # on T-, any value <= tau_on stays; on T+, any value <= tau_off leaves
+        choose.settled = lambda s: s <= (self.tau_off if state["tree"] == self.large else self.tau_on)
         return choose
 
 

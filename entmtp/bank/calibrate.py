@@ -23,11 +23,12 @@ from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import fit_task
 from entmtp.config import CalibrateConfig, GenerationConfig, PhrasebookRule, Progress
 from entmtp.machine import describe_fingerprint
-from entmtp.spec import drafting
+from entmtp.model import forward
+from entmtp.spec import drafting, verify
 from entmtp.spec.engine import Engine, Strategy
 from entmtp.spec.heads import DraftHeads
 from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule, forcer
-from entmtp.spec.topology import Tree
+from entmtp.spec.topology import Tree, compile_tree
 
 
 def tree_key(tree: Tree) -> str:
@@ -146,12 +147,37 @@ def timing_rule(rule: Rule | None) -> Rule:
     return rule if isinstance(rule, Reranker) else PhrasebookRule(max_head_p=2.0, min_share=0.0)
 
 
+def forward_between(engine: Engine, context: int = 192) -> Callable[[], None]:
+    """One base-model step (a single-token verification after `context` cached tokens, its entry
+    dropped again): what runs between two decode steps' drafting, and leaves the caches as it does."""
+    model = engine.model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.get_output_embeddings().weight.device
+    context = max(1, min(context, engine.max_positions - 2))
+    ids = torch.randint(vocab // 8, vocab, (1, context), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = engine.new_cache()
+    with torch.inference_mode():
+        forward.forward(model, cache, ids, torch.arange(context, device=device)[None], None)
+    one = compile_tree([], "n1")
+
+    @torch.inference_mode()
+    def step() -> None:
+        verify.tree_forward(model, cache, one, ids[0, -1:], context)
+        forward.commit(cache, context, [], 1)
+
+    return step
+
+
 @torch.inference_mode()
 def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Phrasebook | None = None,
-                  rule: Rule | None = None) -> list[float]:
-    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs);
-    with `book`, asking it at every node as drafting does (under `rule` where it is a reranker,
-    else a share rule that always asks), over a text of random tokens."""
+                  rule: Rule | None = None, between: Callable[[], None] | None = None) -> list[float]:
+    """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs),
+    run as the engine reads it: head by head (`drafting.top1_chain` with the chain so far), each
+    depth's time the sum to there, each chain after `between()` (untimed; `forward_between`: a
+    base-model step, as in a decode loop, where the heads' weights then come partly from memory:
+    back to back they stay cached, on the 2-core AMD EPYC ~0.2 ms a head against ~0.5 in the
+    loop). With `book`, asking it at every node as drafting does (under `rule` where it is a
+    reranker, else a share rule that always asks), over a text of random tokens."""
     if heads is None or depth == 0:
         return [0.0] * (depth + 1)
     w = heads._base["lm_head"].weight
@@ -161,17 +187,21 @@ def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Ph
         g = torch.Generator().manual_seed(0)
         text = book.context(torch.randint(1, w.shape[0], (128,), generator=g).tolist())
         force = forcer(text, timing_rule(rule), heads.draft_vocab)
-    out = [0.0]
-    for d in range(1, depth + 1):
-        times = []
-        for _ in range(reps + 2):
+    times: list[list[float]] = [[] for _ in range(depth + 1)]
+    for rep in range(reps + 2):
+        if between is not None:
+            between()
+        chain: tuple[list, list] = ([], [])
+        spent = 0.0
+        for d in range(1, depth + 1):
             t0 = time.perf_counter()
-            drafting.top1_chain(heads, feature, 1, d, force=force)
+            chain = drafting.top1_chain(heads, feature, 1, d, chain if chain[0] else None, force)
             if w.device.type == "cuda":
                 torch.cuda.synchronize(w.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out.append(statistics.median(times[2:]))
-    return out
+            spent += (time.perf_counter() - t0) * 1e3
+            if rep >= 2:
+                times[d].append(spent)
+    return [0.0] + [statistics.median(t) for t in times[1:]]
 
 
 def fit_cache_file(cache_root: Path, bank: TopologyBank, fp: dict[str, Any]) -> Path:
@@ -204,7 +234,7 @@ def time_and_fit(engine: Engine, heads: DraftHeads, banks: dict[str, TopologyBan
     costs, prefill, context = measure_costs(engine, heads, trees, cfg, progress, turn, book, rule)
     context_cost = measure_context_cost(engine, heads, trees, cfg, turn, book, rule)
     with turn():
-        chain = measure_chain(heads, max(t.max_depth for t in trees), book=book, rule=rule)
+        chain = measure_chain(heads, max(t.max_depth for t in trees), book=book, rule=rule, between=forward_between(engine, cfg.context))
     measured_s = time.perf_counter() - t0
     out = {}
     for task, bank in banks.items():

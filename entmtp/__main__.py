@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--prompts-per-task", type=positive_int, default=bc.prompts_per_task)
     be.add_argument("--max-new-tokens", type=positive_int, default=bc.max_new_tokens)
     be.add_argument("--out", default=None, help="folder for results.json (per prompt) and the figure")
+    be.add_argument("--repeats", type=positive_int, default=bc.repeats,
+                    help="rounds of every method per prompt, each in a new rotation; the median run counts (default: %(default)s)")
     be.add_argument("--note", default=None, help="a remark stored with the results and shown by `report`")
     add_model_args(be)
 
@@ -457,7 +459,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from entmtp.tools.bench import bench_items, check_methods, results_table, run_bench, save_results, summary_json, warmup_line
 
-    cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens)
+    cfg = BenchConfig(prompts_per_task=args.prompts_per_task, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     items = bench_items(args.prompts, args.tasks, cfg.prompts_per_task)
     rt = _runtime(args)
     check_methods(rt, items, args.methods)  # fail before measuring anything

@@ -125,6 +125,7 @@ class BenchConfig:
     prompts_per_task: int = 12
     max_new_tokens: int = 128
     warmup_new_tokens: int = 16
+    repeats: int = 1  # rounds of every method per prompt, each in a new rotation; the median time is kept
 
 
 @dataclass(frozen=True)

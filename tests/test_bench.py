@@ -92,6 +92,23 @@ def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):
     assert "same_as_ar" in results_table(out["results"]).splitlines()[0]
 
 
+def test_repeats_run_every_method_in_new_orders_and_keep_the_median(tiny_dir, tmp_path):
+    """With repeats, each method runs that many times per prompt, each round in a new rotation;
+    the row keeps the median run's time beside every run's, and the same tokens."""
+    rt = load_runtime(ModelConfig(model=str(tiny_dir)), str(tiny_dir / "heads"), None, tmp_path / "banks")
+    write_bank(rt.banks_dir, rt.slug, "chat")
+    order = []
+    run = rt.run
+    rt.run = lambda m, *a, **k: (order.append(m), run(m, *a, **k))[1]
+    out = run_bench(rt, [{"prompt": "hello", "task": "chat"}], ["ar", "hydra", "entmtp-static"],
+                    BenchConfig(max_new_tokens=8, warmup_new_tokens=2, repeats=3))
+    timed = order[3:]  # after the warm-up pass (one run per method)
+    assert timed == ["ar", "hydra", "entmtp-static", "hydra", "entmtp-static", "ar", "entmtp-static", "ar", "hydra"]
+    for r in out["per_prompt"]:
+        assert len(r["seconds_each"]) == 3 and r["seconds"] == pytest.approx(sorted(r["seconds_each"])[1], abs=1e-4)
+    assert all(r["same_as_ar"] is True for r in out["results"])
+
+
 def test_a_served_oracle_decides_losslessness():
     """Where the served arithmetic is not float32's, an untimed `generate` on the served model (the
     `oracle` rows) decides `lossless`; stock float32 `hf` rows say whether they matched it."""

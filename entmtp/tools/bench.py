@@ -1,7 +1,8 @@
 """The benchmark: every method on the same prompts, interleaved, on this machine.
 
 Per prompt the methods run one after another in a rotating order, so drift of the machine hits
-all alike; a warm-up pass (excluded) builds kernels and caches first. Figures per task and
+all alike; with `repeats` > 1 every method runs that many times per prompt, each round in a new
+rotation, and its median run counts. A warm-up pass (excluded) builds kernels and caches first. Figures per task and
 method: tokens/s (new tokens over wall time, prefill included), mean accepted tokens per step,
 speedup over `ar` measured in the same run, the share of each decode phase, and, for the methods
 a bank fit predicts (ar, hydra, entmtp-*), the tokens/s that fit predicts on this machine for
@@ -69,9 +70,15 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
     it = progress(range(len(encoded)), "bench", len(encoded)) if progress else range(len(encoded))
     for i in it:
         task, ids = encoded[i]
-        order = methods[i % len(methods) :] + methods[: i % len(methods)]
-        for m in order:
-            res = collect(rt.run(m, task, ids, gen))
+        runs: dict[str, list] = {}  # method -> its runs, in the first round's order
+        for r in range(cfg.repeats):  # each round in a new rotation: every method takes its turn early and late
+            k = (i + r) % len(methods)
+            for m in methods[k:] + methods[:k]:
+                runs.setdefault(m, []).append(collect(rt.run(m, task, ids, gen)))
+        for m in runs:
+            res = sorted(runs[m], key=lambda x: x.elapsed_s)[(len(runs[m]) - 1) // 2]  # the median run (the lower of two)
+            if any(x.token_ids != res.token_ids for x in runs[m]):
+                raise RuntimeError(f"{m} decoded different tokens in two rounds of prompt {i}")
             phases = res.phase_ms()
             rows.append(
                 {
@@ -82,6 +89,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
                     "tokens": res.new_tokens,
                     "steps": len(res.steps),
                     "seconds": res.elapsed_s,
+                    "seconds_each": [round(x.elapsed_s, 4) for x in runs[m]],
                     "prefill_ms": res.steps[0].prefill_ms if res.steps else 0.0,
                     "phase_ms": {k: phases.get(k, 0.0) for k in PHASES},
                     "token_ids": res.token_ids,
@@ -202,6 +210,7 @@ def summary_json(rt, out: dict, items: list[dict], cfg: BenchConfig, seconds: fl
         "dtype": str(rt.model.dtype).replace("torch.", ""),
         "kernels": serve.label(rt.model),
         "max_new_tokens": cfg.max_new_tokens,
+        "repeats": cfg.repeats,
         "prompts": len(items),
         "command": command,
         "date": datetime.date.today().isoformat(),

@@ -153,7 +153,9 @@ def _header(run: dict, n: int) -> list[str]:
         f"- Prompts: {run['prompts']} ("
         + ", ".join(f"{t} {first[t]['prompts']}" for t in tasks)
         + f"), up to {run['max_new_tokens']} new tokens each; new tokens per method: "
-        + ", ".join(f"{t} {(rows.get((t, 'ar')) or first[t])['tokens']}" for t in tasks) + ".",
+        + ", ".join(f"{t} {(rows.get((t, 'ar')) or first[t])['tokens']}" for t in tasks)
+        + (f"; every method {run['repeats']} times per prompt, each round in a new order, its median run counted"
+           if run.get("repeats", 1) > 1 else "") + ".",
         f"- Bank fits behind `predicted tok/s` measured on: {fit_text}.",
     ]
     ceiling = run.get("ceiling") or {}
@@ -571,6 +573,7 @@ def results_block(runs: list[dict], gpu: list[dict] = (), llamacpp: list[dict] =
         methods = list(dict.fromkeys(r["method"] for r in run["detail"]))
         lines += [f"**{run['hardware']}**: run {n} of [BENCHMARKS.md](BENCHMARKS.md) ({run['date']}, `{run['kernels']}` "
                   f"kernels, {run['prompts']} evaluation prompts, up to {run['max_new_tokens']} new tokens each"
+                  + (f", median of {run['repeats']} runs per method and prompt" if run.get("repeats", 1) > 1 else "")
                   + (f"; noted with the run: {run['note']}" if run.get("note") else "") + "):", "",
                   "| task | " + " | ".join(f"`{m}`" for m in methods) + " | lossless |", "|" + "---|" * (len(methods) + 2)]
         for t in _tasks(run):

@@ -268,3 +268,20 @@ def test_bank_view_says_where_its_numbers_come_from(served):
         assert len(rows) == len(bank.trees) and sum(r[6] == "yes" for r in rows) == len(bank.front)
         names = [t.name for t in fig.data]
         assert "mc_sim_7b_63" in names  # the measured baseline, not a stub line
+
+
+def test_the_lesson_says_when_fewer_heads_settled_the_choice():
+    """A path value read through fewer heads than the policy's depth (the first already settled
+    the choice) is named as such in the lesson's reason, not as the full depth's value."""
+    from entmtp.app.lesson import why
+    from entmtp.bank.bank import TopologyBank
+    from entmtp.spec.policy import TauPolicy
+    from entmtp.spec.topology import chain_paths, compile_tree
+
+    trees = [compile_tree([], "n1"), compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "n4")]
+    bank = TopologyBank(trees, [{}] * 3, {})
+    pol = TauPolicy(1, 2, 0.4, 0.2, "path_value", 2)
+    early = why(pol, bank, 0.3, 1, heads_read=1)
+    assert "after 1 of 2 heads" in early and "≤ τ_on 0.400" in early and "stays" in early
+    full = why(pol, bank, 0.5, 1, heads_read=2)
+    assert "through 2 heads = 0.500" in full and "up to `n4`" in full

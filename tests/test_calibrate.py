@@ -118,6 +118,7 @@ def test_traces_predict_switching_policies_exactly(setup, feature, depth):
                     read.append(d)
                     choose(g[i][d - 1])
                 assert [r.feature for r in real.steps] == pytest.approx([g[i][d - 1] for i, d in zip(starts, read)], rel=1e-4, abs=1e-6)
+                assert [r.heads_read for r in real.steps] == read
                 early += sum(d < reads for d in read)
                 lazy = tr.simulate(tr.Tables(trees, [traces[j]]), policy.chooser, [], [1.0] * 4, 0.0, ([g], [[0.0] * 4] * (reads + 1)))
                 assert lazy.picks == sim.picks

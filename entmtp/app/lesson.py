@@ -25,9 +25,13 @@ from entmtp.spec.heads import head_features
 from entmtp.spec.policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
 
 
-def why(policy: Policy, bank: TopologyBank, feature: float, current: int | None) -> str:
-    """Why the policy picks the tree it picks at this feature value (τ: given the tree it is on)."""
+def why(policy: Policy, bank: TopologyBank, feature: float, current: int | None, heads_read: int = 0) -> str:
+    """Why the policy picks the tree it picks at this feature value (τ: given the tree it is on);
+    `heads_read`: the heads behind a path value, where the first of them already settled the choice."""
+    depth = policy.depth or bank.max_depth
     name = f"`{policy.feature}`" + (f" through {policy.depth} heads" if policy.feature == "path_value" and policy.depth else "")
+    if policy.feature == "path_value" and 0 < heads_read < depth:  # every deeper value is at most this one
+        name = f"`{policy.feature}` after {heads_read} of {depth} heads (deeper heads can only lower it)"
     if isinstance(policy, StaticPolicy):
         return f"EntMTP* always verifies `{bank.trees[policy.tree].name}`"
     if isinstance(policy, LadderPolicy):
@@ -93,9 +97,10 @@ def lesson_step(rt, bank: TopologyBank, policy: Policy, label: str, prompt_ids: 
         "accepted_nodes": list(rec.accepted_nodes), "nodes": nodes,
         "labels": [f"{n['token'][:8]}" + ("" if n["p"] is None else f" {n['p']:.2f}") for n in nodes],
         "tokens": [word(t) for t in rec.tokens], "bonus": word(nxt.tokens[0]) if nxt is not None and nxt.tokens else None,
-        "why": why(policy, bank, rec.feature, previous) if k > 1 else f"the first step: {why(policy, bank, rec.feature, None)}",
+        "why": (why(policy, bank, rec.feature, previous, rec.heads_read) if k > 1
+                else f"the first step: {why(policy, bank, rec.feature, None, rec.heads_read)}"),
         "next": None if nxt is None else {"tree": bank.trees[nxt.tree_index].name,
-                                          "why": why(policy, bank, nxt.feature, rec.tree_index)},
+                                          "why": why(policy, bank, nxt.feature, rec.tree_index, nxt.heads_read)},
         "feature": rec.feature, "ms": rec.step_ms,
     }
 

@@ -78,6 +78,7 @@ class StepRecord:
     prefill_ms: float
     finished: bool = False
     stop_reason: str = ""
+    heads_read: int = 0  # heads behind `feature` where it is the path value (fewer than the policy's depth where they settled the choice)
 
     def trace(self) -> dict[str, Any]:
         """The per-step entry of the CLI's `--json` trace (features are null for `hf` methods)."""
@@ -215,6 +216,7 @@ class Engine:
                         if settled is not None and settled(path_value(s, chain_probs)):
                             break
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
+            heads_read = len(chain_probs)
             idx = choose(feat)
             if past + trees[idx].n_nodes > self.max_positions:
                 idx = smallest  # near the context end fall back to the smallest tree
@@ -291,6 +293,7 @@ class Engine:
                 prefill_ms=prefill_ms,
                 finished=bool(reason),
                 stop_reason=reason,
+                heads_read=heads_read,
             )
             if reason:
                 return

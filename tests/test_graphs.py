@@ -129,7 +129,7 @@ def test_drafts_on_the_device_draft_what_the_eager_engine_drafts(kind, kw):
     trees = [TREES[0], TREES[1], TREES[3], NAMED["mc_sim_7b_63"]]
 
     def seen(depth):  # the feature's values along a decode, for thresholds that make policies switch
-        never = TauPolicy(0, 0, 2.0, 2.0, "path_value", depth)
+        never = TauPolicy(0, 0, -1.0, -1.0, "path_value", depth)  # never settled: every head read
         out = collect(plain.generate(prompt, Strategy("t", trees, never, heads), GenerationConfig(max_new_tokens=40)))
         return sorted(r.feature for r in out.steps)
 

@@ -208,15 +208,17 @@ class Engine:
             s, entropy = confidence(z)
             chain, chain_probs = [], []
             if feature_name == "path_value" and heads is not None:
-                if drafts is not None:
+                if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = drafts.top1_chain(heads, feature, root, feature_depth)
                 else:  # head by head, stopping where the value settles the choice (each deeper g is at most it)
                     for d in range(1, feature_depth + 1):
                         chain, chain_probs = drafting.top1_chain(heads, feature, root, d, (chain, chain_probs) if chain else None, force)
                         if settled is not None and settled(path_value(s, chain_probs)):
                             break
-            feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs))
             heads_read = len(chain_probs)
+            if settled is not None:
+                heads_read = next((d for d in range(1, heads_read + 1) if settled(path_value(s, chain_probs[:d]))), heads_read)
+            feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs[:heads_read]))
             idx = choose(feat)
             if past + trees[idx].n_nodes > self.max_positions:
                 idx = smallest  # near the context end fall back to the smallest tree

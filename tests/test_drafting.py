@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from entmtp.spec.drafting import expand, top1_chain, top1_logits
+from entmtp.spec.drafting import _top1, expand, top1_chain
 from entmtp.spec.topology import compile_tree
 from conftest import random_heads, random_tree
 
@@ -100,11 +100,15 @@ def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw)
             original = heads.head_logits
             heads.head_logits = lambda i, *a: calls.append(i) or original(i, *a)
             try:
-                logits, probs = top1_chain(heads, feature, root, 4, short)
+                logits, probs = resumed = top1_chain(heads, feature, root, 4, short)
+                # a bare (logits, probs) prefix picks its tokens again from the logits: the same chain
+                again = top1_chain(heads, feature, root, 4, tuple(short))
             finally:
                 del heads.head_logits
-            assert calls == list(range(d, 4))
+            assert calls == list(range(d, 4)) * 2
             assert probs == whole[1] and all(torch.equal(a, b) for a, b in zip(logits, whole[0]))
+            assert resumed.tokens == again.tokens == whole.tokens and len(whole.tokens) == 4
+            assert again[1] == whole[1] and all(torch.equal(a, b) for a, b in zip(again[0], whole[0]))
 
 
 @pytest.mark.parametrize("kind, kw", KINDS)
@@ -125,8 +129,9 @@ def test_chain_on_q8_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw):
                     fast = packed.top1_on_blocks(feature, path, 4)
                     chain, packed._chain = packed._chain, None
                     try:
-                        slow = top1_logits(packed, feature, path, 4)
+                        slow = _top1(packed, feature, path, 4)
                     finally:
                         packed._chain = chain
                     assert len(fast[0]) == len(slow[0]) == 4 - len(start) + 1
                     assert torch.equal(fast[1], slow[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], slow[0]))
+                    assert torch.equal(fast[2], slow[2])  # the tokens the path went on through

@@ -216,9 +216,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                 last_only: bool = False):
     """One forward as `forward.forward` makes it: (1, Q) ids -> final normed hidden (Q, H), logits
-    (Q, V); or None when this path does not apply (the caller then runs transformers)."""
+    (Q, V), or (1, V) for the last position alone with `last_only`; or None when this path does
+    not apply (the caller then runs transformers)."""
     p = plan(model)
     if p is None or kernels.stock() or torch.is_grad_enabled():
         return None
@@ -237,7 +239,7 @@ def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids:
         mask = _seen(mask)
         if mask is not None and not bool(mask[0, 0, :, :past].all()):  # the stack lets every node see the cache
             return None
-        return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask)
+        return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask, last_only)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     shape = (1, q_len, -1, p.layers[0][1].head_dim)
     for (layer, attn, qkv, gate_up), c in zip(p.layers, layers):
@@ -256,10 +258,10 @@ def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids:
         g, u = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
         x = residual + mlp.down_proj(F.silu(g) * u)
     hidden = _rms(base.norm, x)[0]
-    return hidden, p.head(hidden)
+    return hidden, p.head(hidden[-1:] if last_only else hidden)
 
 
-def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask):
+def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask, last_only: bool = False):
     """The fused model's layers in one extension call, writing the cache in place; `mask` is None
     (causal) or bool [1, 1, Q, past + Q] that shows every node the whole cache."""
     attn = model.model.layers[0].self_attn
@@ -271,4 +273,4 @@ def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask):
     for c in layers:
         c.advance(q_len)
     hidden = model.model.norm(out)
-    return hidden, model.get_output_embeddings()(hidden)
+    return hidden, model.get_output_embeddings()(hidden[-1:] if last_only else hidden)

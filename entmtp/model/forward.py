@@ -21,22 +21,27 @@ import torch
 from entmtp.model import decoder, graphs, kv
 
 
-def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+def forward(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+            last_only: bool = False):
     """One base-model forward. input_ids (1, Q) -> final normed hidden (Q, H), logits (Q, V).
     `mask`: None (causal) or a 4-D additive mask [1, 1, Q, past+Q]; a slot runs it eagerly
-    (prompts vary in length), reading only the block's own columns (the cached ones are all visible)."""
+    (prompts vary in length), reading only the block's own columns (the cached ones are all visible).
+    `last_only`: the logits of the last position alone (1, V), as a prompt's decode needs them (and
+    as transformers `generate` computes them): the LM head is a fifth of a prompt's arithmetic on
+    the default model, and on the GGUF kernels each row's logits are the same bits either way."""
     if isinstance(cache, graphs.SlotCache):
         slot, n = cache.slot, input_ids.shape[1]
         past = slot.length
         block = graphs.causal_block(n, slot.dtype, slot.device) if mask is None else mask[0, 0, :, past:]
-        return slot.verify(input_ids[0], position_ids[0] - past, block, graph=False)
-    lean = decoder.lean_forward(model, cache, input_ids, position_ids, mask)
+        hidden, logits = slot.verify(input_ids[0], position_ids[0] - past, block, graph=False)
+        return hidden, logits[-1:] if last_only else logits
+    lean = decoder.lean_forward(model, cache, input_ids, position_ids, mask, last_only)
     if lean is not None:
         return lean
     base = model.base_model
     out = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kv.cache_arg(base, cache))
     hidden = out.last_hidden_state[0]
-    return hidden, model.get_output_embeddings()(hidden)
+    return hidden, model.get_output_embeddings()(hidden[-1:] if last_only else hidden)
 
 
 def block_forward(model, cache, tokens: torch.Tensor, depth: torch.Tensor,

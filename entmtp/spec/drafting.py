@@ -14,25 +14,37 @@ from entmtp.spec.phrasebook import Forcer, force_row
 from entmtp.spec.topology import Tree
 
 
+class Chain(tuple):
+    """`top1_chain`'s (logits, probs), carrying the tokens its path went through after the root
+    (`tokens`): a deeper chain from the same root and feature resumes from it without picking
+    them again. Unpacks as the pair."""
+
+    def __new__(cls, logits: list[torch.Tensor], probs: list[float], tokens: list[int]):
+        self = super().__new__(cls, (logits, probs))
+        self.tokens = tokens
+        return self
+
+
 def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
                prefix: tuple[list[torch.Tensor], list[float]] | None = None,
-               force: Forcer | None = None) -> tuple[list[torch.Tensor], list[float]]:
+               force: Forcer | None = None) -> Chain:
     """Run heads 0..depth-1 along the top-1 path from the root.
 
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
     top-1 probability p_d of each, for the confidence feature. `prefix` = an earlier, shorter
-    chain from the same root and feature: its heads are not run again. `force` (a phrasebook's,
-    `phrasebook.forcer`) may put other tokens first at each node: that row's logits then rank them
-    first (`phrasebook.force_row`), the path goes on through the first, and p_d is the probability
-    it gives for that token (a reranker's), else the head's own top-1 probability.
+    chain from the same root and feature: its heads are not run again (nor, where it is a `Chain`,
+    its tokens picked again). `force` (a phrasebook's, `phrasebook.forcer`) may put other tokens
+    first at each node: that row's logits then rank them first (`phrasebook.force_row`), the path
+    goes on through the first, and p_d is the probability it gives for that token (a reranker's),
+    else the head's own top-1 probability.
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
-    path = torch.tensor([[root]], device=feature.device)  # (1, d+1)
-    for row in logits:  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
-        idx = torch.softmax(row.float(), -1).max(-1)[1]
-        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    more, p = top1_logits(heads, feature, path, depth, force)
-    return logits + more, probs + p.tolist()
+    tokens = getattr(prefix, "tokens", None)
+    if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
+        tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
+    path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
+    more, p, picked = _top1(heads, feature, path, depth, force)
+    return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
 def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
@@ -41,11 +53,17 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
     (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it (not with
     `force`, which reads each node's path, probability and logits on the host)."""
+    return _top1(heads, feature, path, depth, force)[:2]
+
+
+def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
+          force: Forcer | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """`top1_logits`, and the tokens (depth - d,) long the path went on through."""
     fast = heads.top1_on_blocks(feature, path, depth, force)  # Q8-block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
     h = feature[None]  # (1, H)
-    logits, probs = [], []
+    logits, probs, tokens = [], [], []
     for d in range(path.shape[1] - 1, depth):
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
@@ -57,8 +75,10 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
             p = torch.tensor(q, dtype=p.dtype, device=p.device)
         logits.append(row)
         probs.append(p)
-        path = torch.cat([path, heads.to_token_ids(idx).view(1, 1)], dim=1)
-    return logits, torch.stack(probs) if probs else torch.zeros(0, device=feature.device)
+        tokens.append(heads.to_token_ids(idx).view(1))
+        path = torch.cat([path, tokens[-1].view(1, 1)], dim=1)
+    empty = torch.zeros(0, dtype=torch.long, device=feature.device)
+    return logits, torch.stack(probs) if probs else torch.zeros(0, device=feature.device), torch.cat(tokens) if tokens else empty
 
 
 def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

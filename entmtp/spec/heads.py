@@ -236,18 +236,19 @@ class DraftHeads(nn.Module):
         raise NotImplementedError
 
     def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int,
-                       force=None) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+                       force=None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
         """`drafting.top1_logits` in one extension call where the heads are on Q8 blocks (the same
-        bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1 and their
-        top-1 probabilities; None elsewhere. `force`: `drafting.top1_logits`'s."""
+        bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1, their
+        top-1 probabilities and the tokens the path went on through; None elsewhere. `force`:
+        `drafting.top1_logits`'s."""
         if self._chain is None or feature.device.type != "cpu":
             return None
         native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
         if native is not None:
-            logits, probs = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native())
+            logits, probs, tokens = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native())
         else:
-            logits, probs = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
-        return list(logits.unbind(0)), probs
+            logits, probs, tokens = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
+        return list(logits.unbind(0)), probs, tokens
 
     def _whole_blocks(self) -> bool:
         """Whether every head linear's inputs come in whole blocks of 32 (the Q8 block kernels')."""

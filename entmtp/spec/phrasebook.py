@@ -130,20 +130,25 @@ class Context:
     book: Phrasebook
     tokens: list[int] = field(default_factory=list)
     _seen: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)  # n-gram -> {next: count}
+    _indexed: int = 0  # tokens whose n-grams are in _seen: indexed when first asked (the extension's forcer keeps its own)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        for t in tokens:
-            t = int(t)
-            k = len(self.tokens)
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _index(self) -> None:
+        """_seen brought up to the text: each token counted after every suffix (up to max_n) before it."""
+        for k in range(self._indexed, len(self.tokens)):
+            t = self.tokens[k]
             for n in range(1, min(self.book.max_n, k) + 1):
-                nexts = self._seen.setdefault(tuple(self.tokens[k - n :]), {})
+                nexts = self._seen.setdefault(tuple(self.tokens[k - n : k]), {})
                 nexts[t] = nexts.get(t, 0) + 1
-            self.tokens.append(t)
+        self._indexed = len(self.tokens)
 
     def matches(self, extra: Sequence[int] = ()) -> list[tuple[int, dict[int, int] | None, tuple[int, int, int] | None]]:
         """Every suffix of the text so far followed by `extra` that was seen, longest first: (n, its
         followers in the text itself {token: count} or None, the book's (most frequent follower,
         its count, the suffix's count) or None)."""
+        self._index()
         seq = self.tokens[-self.book.max_n :] + [int(t) for t in extra]
         top = min(self.book.max_n, len(seq))
         hashes, h = [0], 0  # hashes[n]: the last n tokens' (`ngram_hash`), one pass

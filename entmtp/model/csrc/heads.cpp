@@ -69,7 +69,7 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
   return x;
 }
 
-std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                                     c10::optional<Force> force) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   TORCH_CHECK(!path.empty() && depth <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
@@ -78,6 +78,7 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
   const auto f = feature.reshape({1, hidden}).contiguous();
   std::vector<at::Tensor> rows;
   auto probs = at::empty({n}, feature.options());
+  auto tokens = at::empty({n}, feature.options().dtype(at::kLong));
   for (int64_t d = first; d < depth; ++d) {
     at::Tensor x = f;
     if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
@@ -113,7 +114,8 @@ std::tuple<at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vec
     const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
     rows.push_back(z);
     path.push_back(token);
+    tokens.data_ptr<int64_t>()[d - first] = token;
   }
   auto logits = rows.empty() ? at::empty({0, lm[0].out}, feature.options()) : at::cat(rows, 0);
-  return {logits, probs};
+  return {logits, probs, tokens};
 }

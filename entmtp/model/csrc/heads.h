@@ -39,11 +39,11 @@ struct HeadChain {
   using Force = std::function<std::pair<std::vector<int64_t>, double>(const std::vector<int64_t>&, double, const at::Tensor&)>;
 
   // From `path` (the root and the chain's first tokens) on to `depth`: per head, its draft
-  // logits [n, K] and top-1 probability [n]. `force` (a phrasebook's, spec/phrasebook.py) may
+  // logits [n, K], top-1 probability [n] and the token the path goes on through [n]. `force` (a phrasebook's, spec/phrasebook.py) may
   // name m draft indices at each node: the j-th's entry becomes the row's maximum + m - j (so
   // they rank first, as `phrasebook.force_row` makes them), the path goes on through the first,
   // and the node's probability is the one it gives where it gives one.
-  std::tuple<at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                            c10::optional<Force> force = c10::nullopt) const;
 
  private:

@@ -522,7 +522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
-      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs)",
+      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, tokens)",
            pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none())
       .def(
           "chain_native",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from entmtp.model import decoder
+from entmtp.model import decoder, forward, kv
 from entmtp.model import kernels, serve
 from entmtp.model import ext
 from entmtp.model import gguf as quant
@@ -214,3 +214,16 @@ def test_q8_holds_for_a_prompt_and_a_tree_of_any_size():
         assert real.token_ids == ref, tree.name
         if tree is not big:  # traces keep ranks within their width only
             assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_a_prompts_last_logits_alone_are_the_full_forwards_last_row(q8):
+    """The engine's prefill computes the LM head for the last position alone (`last_only`): the
+    same hidden states and, bit for bit, the last row of the logits a full forward gives."""
+    model = blocked_llama(2, q8)
+    ids = torch.randint(1, 96, (1, 37), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(37)[None]
+    with torch.inference_mode():
+        hidden, logits = forward.forward(model, kv.new_cache(model.config), ids, pos, None)
+        last_hidden, last = forward.forward(model, kv.new_cache(model.config), ids, pos, None, last_only=True)
+    assert last.shape == (1, 96) and torch.equal(last_hidden, hidden) and torch.equal(last, logits[-1:])

@@ -354,3 +354,22 @@ def test_design_quotes_the_targets_report_judges():
     section = design.split("## Performance targets", 1)[1]
     assert targets_markdown() in section
     assert "1.5×" in targets_markdown() and "3%" in targets_markdown() and "2.5" in targets_markdown()
+
+
+def test_every_design_section_named_exists():
+    """Code and pages point into DESIGN.md by section name (`DESIGN.md *One decode step*`, and
+    DESIGN.md itself `(see *Where the bank is fitted*)`): each name is one of its headings."""
+    import re
+
+    design = (ROOT / "DESIGN.md").read_text()
+    headings = set(re.findall(r"^#{2,4} (.+)$", design, re.M))
+    named: dict[str, str] = {}
+    pages = [*ROOT.glob("entmtp/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "app.py"]
+    for page in pages:
+        for name in re.findall(r"DESIGN(?:\.md)?[ ,(]*\*([^*\n]+)\*", page.read_text()):
+            named.setdefault(name, str(page.relative_to(ROOT)))
+    for name in re.findall(r"(?:\(|see |DESIGN )\*([A-Z][^*\n]+)\*", design):
+        named.setdefault(name, "DESIGN.md")
+    assert len(named) >= 8  # the pattern still finds the references
+    missing = {name: where for name, where in named.items() if name not in headings}
+    assert not missing, missing

@@ -43,9 +43,8 @@ excluded warm-up pass. `tok/s` = new tokens over wall time, prefill included, ov
 task's prompts; `predicted tok/s` = what the bank's fit predicted for the method (`ar`, `hydra`,
 `entmtp-*`) on the machine that fit was measured on (named per run); `× ar`, `× hf` = ratios of
 tok/s within the same run; `tokens/step` = mean tokens per decode step (root included);
-`ms/step` = wall time per decode step, prefill included; the phase columns are per-step means
-of the engine's phases (– for `hf` and `hf-lookup`, which run stock transformers);
-`draft share` = (schedule + draft) / ms/step. `lossless` = token ids equal to transformers
+`ms/step` = wall time per decode step, prefill included; phase columns: per-step means of the
+engine's phases (– for `hf`, `hf-lookup`); `draft share` = (schedule + draft) / ms/step. `lossless` = token ids equal to transformers
 `generate`'s on the model as served, on every prompt: `hf` itself where the served arithmetic is
 float32; where it is llama.cpp's (Q8 inputs, `gguf-q8` kernels) an untimed `generate` on the
 served model, and the `hf` rows (stock float32 transformers) then read `same` or `differs`. A run

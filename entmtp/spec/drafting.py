@@ -77,8 +77,9 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: i
         probs.append(p)
         tokens.append(heads.to_token_ids(idx).view(1))
         path = torch.cat([path, tokens[-1].view(1, 1)], dim=1)
-    empty = torch.zeros(0, dtype=torch.long, device=feature.device)
-    return logits, torch.stack(probs) if probs else torch.zeros(0, device=feature.device), torch.cat(tokens) if tokens else empty
+    if not probs:
+        return logits, torch.zeros(0, device=feature.device), torch.zeros(0, dtype=torch.long, device=feature.device)
+    return logits, torch.stack(probs), torch.cat(tokens)
 
 
 def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,13 +206,14 @@ class Engine:
             # schedule: the policy's feature (p0, the heads' path value g_d through the policy's
             # depth, or exp(-entropy)), its tree, and the heads' top-1 path to the depth the tree needs
             s, entropy = confidence(z)
-            chain, chain_probs = chained = [], []
+            chain, chain_probs = [], []
+            chained = None  # the chain read so far (`drafting.Chain`), which a deeper read resumes
             if feature_name == "path_value" and heads is not None:
                 if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = chained = drafts.top1_chain(heads, feature, root, feature_depth)
                 else:  # head by head, stopping where the value settles the choice (each deeper g is at most it)
                     for d in range(1, feature_depth + 1):
-                        chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, d, chained if chain else None, force)
+                        chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, d, chained, force)
                         if settled is not None and settled(path_value(s, chain_probs)):
                             break
             heads_read = len(chain_probs)
@@ -227,7 +228,7 @@ class Engine:
             captured = drafts is not None and tree.n_nodes > 1
             if not captured:
                 if len(chain) < depth:
-                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, chained if chain else None, force)
+                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, chained, force)
                 chain, chain_probs = chain[:depth], chain_probs[:depth]
             t1 = clock()
             # draft

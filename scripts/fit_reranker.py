@@ -11,6 +11,10 @@ fixed seed), on calibration prompts only; the evaluation sets are then scored fo
 the head alone and the share rule (`config.PhrasebookRule`).
 
     PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE] [--score-only]
+                                                [--hidden N] [--every K]
+
+`--hidden` and `--every` (fit on every K-th calibration prompt of each task) are for probing
+whether a wider scorer or more fitting data would pay (docs/heads.md, *The phrasebook*).
 """
 
 from __future__ import annotations
@@ -75,10 +79,10 @@ def positions(rt, heads, book, prompts: list[list[int]], store, task: str) -> li
     return rows
 
 
-def fit(rows: list[dict], epochs: int = 30, seed: int = 0) -> Reranker:
+def fit(rows: list[dict], epochs: int = 30, seed: int = 0, hidden: int = HIDDEN) -> Reranker:
     torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(N_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                              torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(N_FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+                              torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     opt = torch.optim.Adam(net.parameters(), 3e-3)
     data = [(torch.tensor(r["x"], dtype=torch.float32), r["cands"].index(r["true"])) for r in rows if r["true"] in r["cands"]]
     rng = np.random.default_rng(seed)
@@ -135,6 +139,8 @@ def main() -> None:
     ap.add_argument("--out", help="the reranker file (default: beside the default model's Hydra heads)")
     ap.add_argument("--record", help="write the rates on the calibration and evaluation sets here (JSON)")
     ap.add_argument("--score-only", action="store_true", help="score the reranker already at --out; fit nothing")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"width of the scorer's two layers (default: {HIDDEN})")
+    ap.add_argument("--every", type=int, default=1, help="fit on every K-th calibration prompt of each task (default: 1, all)")
     args = ap.parse_args()
     t0 = time.time()
     rt = load_runtime()
@@ -142,11 +148,14 @@ def main() -> None:
     book = Phrasebook(training_answers(rt.name, rt.encode))
     stored = repo_store(rt.name, rt.arithmetic)
     with torch.inference_mode():
-        calib = {t: positions(rt, heads, book, [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]], stored, "calib") for t in TASKS}
+        prompts = {t: [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]] for t in TASKS}
+        calib = {t: positions(rt, heads, book, prompts[t], stored, "calib") for t in TASKS}
+        fitted_on = {t: positions(rt, heads, book, prompts[t][:: args.every], stored, "calib") for t in TASKS} if args.every > 1 else calib
     out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"
     if not args.score_only:
-        rr = fit([r for t in TASKS for r in calib[t]])
-        rr.save(out, {"fitted_on": "the banks' calibration prompts (24 a task), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
+        rr = fit([r for t in TASKS for r in fitted_on[t]], hidden=args.hidden)
+        every = f", every {args.every}th" if args.every > 1 else ""
+        rr.save(out, {"fitted_on": f"the banks' calibration prompts (24 a task{every}), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
                       "date": datetime.date.today().isoformat()})
     rr = Reranker.load(out)
     print(f"wrote {out} ({rr.sha256})", file=sys.stderr)

@@ -115,12 +115,16 @@ def auc(score: list[float], right: list[bool]) -> float:
     return float((ranks[right].sum() - pos * (pos - 1) / 2) / (pos * (len(score) - pos)))
 
 
-def rates(rows: list[dict], rr: Reranker) -> dict:
+def rates(rows: list[dict], rr: Reranker, vocab: set[int] | None = None) -> dict:
+    """Per depth 0 and 1: how often each source's first guess is the true token. With the heads'
+    draft `vocab`, also how often the first candidate drafting can place is (it passes over tokens
+    outside the vocabulary), how often the true token lies in it and among the candidates."""
     out = {}
     for d in range(2):
         sel = [r for r in rows if r["d"] == d]
         scores = [rr.scores(r["x"]) for r in sel]
-        picks = [[r["cands"][i] for i in np.argsort(-s, kind="stable")[:2]] for s, r in zip(scores, sel)]
+        orders = [np.argsort(-s, kind="stable") for s in scores]
+        picks = [[r["cands"][i] for i in o[:2]] for o, r in zip(orders, sel)]
         right = [p[0] == r["true"] for p, r in zip(picks, sel)]
         out[f"depth{d}"] = {"positions": len(sel),
                             "head_top1": round(np.mean([r["head"][0] == r["true"] for r in sel]), 4),
@@ -130,7 +134,12 @@ def rates(rows: list[dict], rr: Reranker) -> dict:
                             "reranker_first_two": round(np.mean([r["true"] in p for p, r in zip(picks, sel)]), 4),
                             # how well each confidence ranks the positions where the reranker's first is right
                             "auc_head_p": round(auc([r["x"][0, 13] for r in sel], right), 4),
-                            "auc_reranker_p": round(auc([float(softmax(s).max()) for s in scores], right), 4)}
+                            "auc_reranker_p": round(auc([float(softmax(s).max()) for s in scores], right), 4),
+                            "true_among_candidates": round(np.mean([r["true"] in r["cands"] for r in sel]), 4)}
+        if vocab is not None:
+            placed = [next((r["cands"][i] for i in o if r["cands"][i] in vocab), None) for o, r in zip(orders, sel)]
+            out[f"depth{d}"] |= {"reranker_first_draftable": round(np.mean([p == r["true"] for p, r in zip(placed, sel)]), 4),
+                                 "true_in_draft_vocab": round(np.mean([r["true"] in vocab for r in sel]), 4)}
     return out
 
 
@@ -158,13 +167,14 @@ def main() -> None:
         rr.save(out, {"fitted_on": f"the banks' calibration prompts (24 a task{every}), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
                       "date": datetime.date.today().isoformat()})
     rr = Reranker.load(out)
+    vocab = set(heads.draft_vocab.tolist()) or None  # empty: the whole vocabulary
     print(f"wrote {out} ({rr.sha256})", file=sys.stderr)
     evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
     with torch.inference_mode():
         sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
                 for name in EVAL_SETS}
     record = {"hardware": hardware(), "date": datetime.date.today().isoformat(), "reranker": rr.path, "sha256": rr.sha256,
-              "calib": {t: rates(calib[t], rr) for t in TASKS}, "eval": {k: rates(v, rr) for k, v in sets.items()},
+              "calib": {t: rates(calib[t], rr, vocab) for t in TASKS}, "eval": {k: rates(v, rr, vocab) for k, v in sets.items()},
               "seconds": round(time.time() - t0, 1)}
     for split in ("calib", "eval"):
         for name, r in record[split].items():

@@ -157,13 +157,14 @@ def main() -> None:
     book = Phrasebook(training_answers(rt.name, rt.encode))
     stored = repo_store(rt.name, rt.arithmetic)
     with torch.inference_mode():
-        prompts = {t: [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]] for t in TASKS}
-        calib = {t: positions(rt, heads, book, prompts[t], stored, "calib") for t in TASKS}
-        fitted_on = {t: positions(rt, heads, book, prompts[t][:: args.every], stored, "calib") for t in TASKS} if args.every > 1 else calib
+        # per prompt, so that --every picks from the rows already read
+        per_prompt = {t: [positions(rt, heads, book, [rt.encode(x)], stored, "calib") for x in calibration_prompts(t, None, 24)[0]] for t in TASKS}
+    calib = {t: [r for rows in per_prompt[t] for r in rows] for t in TASKS}
+    fitted_on = {t: [r for rows in per_prompt[t][:: args.every] for r in rows] for t in TASKS}
     out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"
     if not args.score_only:
         rr = fit([r for t in TASKS for r in fitted_on[t]], hidden=args.hidden)
-        every = f", every {args.every}th" if args.every > 1 else ""
+        every = f", every {args.every}-th" if args.every > 1 else ""
         rr.save(out, {"fitted_on": f"the banks' calibration prompts (24 a task{every}), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
                       "date": datetime.date.today().isoformat()})
     rr = Reranker.load(out)

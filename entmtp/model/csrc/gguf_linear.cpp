@@ -380,8 +380,14 @@ inline void group_avx2(const Packed& P, const Q8Rows& A, int64_t g, int64_t r0, 
           const int8_t* x = A.q + ((r0 + r) * A.blocks + b) * kBlock;
           const __m256i xl = bcast256(reinterpret_cast<const uint8_t*>(x + 4 * j));
           const __m256i xh = bcast256(reinterpret_cast<const uint8_t*>(x + 16 + 4 * j));
-          for (int h = 0; h < 2; ++h)
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)));
+          for (int h = 0; h < 2; ++h) {
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo[h], xl));
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi[h], xh));
+            // Each sum made here, in this order: left free, GCC reassociates a block's 32 integer
+            // adds, forms every product first and spills them (AVX2 has 16 registers); pinned, a
+            // tile of 4 rows runs ~10% faster (AMD EPYC Zen 4). The sums are exact either way.
+            asm("" : "+x"(s16[r][h]));
+          }
         }
       }
       for (int r = 0; r < R; ++r)

@@ -135,3 +135,49 @@ def test_chain_on_q8_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw):
                     assert len(fast[0]) == len(slow[0]) == 4 - len(start) + 1
                     assert torch.equal(fast[1], slow[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], slow[0]))
                     assert torch.equal(fast[2], slow[2])  # the tokens the path went on through
+
+
+@pytest.mark.parametrize("kind, kw", KINDS)
+def test_a_token_from_outside_the_draft_vocabulary_goes_first_on_the_spine(model, kind, kw):
+    """A forcer may name a token outside the draft vocabulary first (`-1 - token`,
+    `phrasebook.spine_first`): the chain goes on through it, the row keeps the rest of the forced
+    order, the extension's chain equals the modules' bit for bit, and `expand` makes the token the
+    spine node's rank-0 child, the row's top k - 1 after it."""
+    from entmtp.spec.drafting import Chain
+
+    heads = random_heads(model, kind, **kw)
+    vocab = torch.arange(3, 47, 2)  # odd ids 3..45: every even id lies outside
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+    heads.set_draft_vocab(vocab)
+    packed = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+    assert packed._chain is not None
+
+    def force(path, head_p, row):  # outside first at odd depths (the token 2 * depth + 10), one index after it
+        depth = len(path) - 1
+        if depth % 2:
+            return [-1 - (2 * depth + 10), 4], 0.25
+        return [7], -1.0
+
+    tree = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [1, 0], [0, 0, 0, 0]], "t")
+    with torch.inference_mode():
+        for root, feature in features(model, packed, 4):
+            fast = packed.top1_on_blocks(feature, torch.tensor([[root]]), 4, force)
+            chain_ext, packed._chain = packed._chain, None
+            try:
+                slow = _top1(packed, feature, torch.tensor([[root]]), 4, force)
+            finally:
+                packed._chain = chain_ext
+            assert torch.equal(fast[1], slow[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], slow[0]))
+            assert torch.equal(fast[2], slow[2])
+            assert fast[2].tolist()[1] == 12 and fast[2].tolist()[3] == 16  # the path went on through the outside tokens
+            assert fast[1].tolist()[1] == 0.25
+            chain = top1_chain(packed, feature, root, 4, force=force)
+            assert chain.tokens == fast[2].tolist() and chain.outside == [-1, 12, -1, 16]
+            tokens = expand(tree, packed, feature, root, chain[0], chain.outside).tolist()
+            plain = expand(tree, packed, feature, root, chain[0]).tolist()
+            nodes = {tuple(p): i + 1 for i, p in enumerate(tree.paths)}
+            # depth 1's spine node (0,) has the outside token 12 first, its row's first (index 4 -> id 11) second
+            assert tokens[nodes[(0, 0)]] == 12 and tokens[nodes[(0, 1)]] == plain[nodes[(0, 0)]] == 11
+            assert tokens[nodes[(0, 0, 0, 0)]] == 16  # depth 3's spine node: the outside token 16 first
+            assert tokens[nodes[(1,)]] == plain[nodes[(1,)]] and tokens[nodes[(0,)]] == plain[nodes[(0,)]]
+            assert isinstance(chain, Chain)

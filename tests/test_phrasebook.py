@@ -108,7 +108,7 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab):
     """csrc/phrasebook.cpp against `forcer` in Python, on texts that grow between calls: the same
     draft indices first, in the same order, and the same probability to 1e-12 (float64 sums in
     another order), under the share rule and a two-layer reranker, over the whole vocabulary and a
-    draft vocabulary that leaves tokens out."""
+    draft vocabulary that leaves tokens out (the first of them named as -1 - token)."""
     from entmtp.config import PhrasebookRule
     from entmtp.model import ext
     from entmtp.spec.phrasebook import NativeForcer, forcer
@@ -122,7 +122,7 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab):
     K = len(draft_vocab) or V
     rule = (PhrasebookRule(min_n=1, max_head_p=0.8, min_share=0.3) if kind == "share rule" else
             Reranker(((gen.normal(size=(N_FEATURES, 8)), gen.normal(size=8)), (gen.normal(size=(8, 1)), gen.normal(size=1))), first=2))
-    forced = 0
+    forced = outside = 0
     for _ in range(6):
         prompt = [rng.randrange(V) for _ in range(rng.randrange(0, 10))]
         a, b = book.context(prompt), book.context(prompt)
@@ -134,18 +134,23 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab):
             (i1, p1), (i2, p2) = native(path, head_p, row), python(path, head_p, row)
             assert i1 == i2 and (p1 < 0) == (p2 < 0) and p1 == pytest.approx(p2, abs=1e-12)
             forced += bool(i1)
+            outside += bool(i1) and i1[0] < 0
+            assert all(i >= 0 for i in i1[1:])  # only the first may lie outside the vocabulary
             more = [rng.randrange(V) for _ in range(rng.randrange(0, 3))]
             a.extend(more), b.extend(more)
     assert forced > 30, "the book should put tokens first often on these texts"
+    assert (outside > 0) == (vocab == "draft"), "a token outside the draft vocabulary should go first now and then"
 
 
 @pytest.mark.parametrize("kind", ["share rule", "reranker"])
 @pytest.mark.parametrize("native", [True, False], ids=["native forcer", "python forcer"])
-def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, monkeypatch):
+@pytest.mark.parametrize("vocab", ["whole", "draft"])
+def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, vocab, monkeypatch):
     """With the book first on the spine (under the share rule, or a reranker putting two
     candidates first) the engine still decodes `generate`'s tokens, and a bank's traces recorded
     with it predict every tree's steps exactly (the served Q8 arithmetic, where a head's row
-    computes alike alone and batched)."""
+    computes alike alone and batched). With a draft vocabulary that leaves out a third of the
+    tokens, the book's first may lie outside it and still goes first on the spine."""
     from entmtp.bank import record as rec
     from entmtp.bank import traces as tr
     from entmtp.config import GenerationConfig, PhrasebookRule
@@ -160,6 +165,8 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, m
     rng = random.Random(1)
     prompt = [rng.randrange(1, 96) for _ in range(12)]
     ref = reference(model, prompt, 40)
+    if vocab == "draft":
+        heads.set_draft_vocab(torch.tensor([t for t in range(model.config.vocab_size) if t % 3 != 2]))  # 14, the reference's most frequent, out
     noisy = [t if rng.random() < 0.7 else rng.randrange(96) for t in ref]  # right guesses and wrong ones
     book = Phrasebook([prompt + ref[:15], noisy, noisy[5:] + noisy[:5]] + _sequences(2))
     rule = PhrasebookRule(min_n=2, max_head_p=1.01, min_share=0.0)  # random heads: let the book go first at any probability
@@ -189,6 +196,9 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, m
         assert tr.decode_with(tree, trace) == (real.new_tokens, len(real.steps)), tree.name
         gained += len(real.steps) < tr.decode_with(tree, plain)[1]
     assert gained, "the book should save steps on these prompts"
+    if vocab == "draft":  # right first guesses from outside the vocabulary, which the heads alone never rank
+        outside = [i for i, r in enumerate(trace.ranks) if r[0] == 0 and i + 1 < len(ref) and ref[i + 1] % 3 == 2]
+        assert outside and all(plain.ranks[i][0] == -1 for i in outside)
 
 
 def test_a_bank_names_its_reranker_and_refuses_a_changed_one(tmp_path):

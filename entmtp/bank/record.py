@@ -12,7 +12,7 @@ from entmtp.config import GenerationConfig, PhrasebookRule, Progress
 from entmtp.model import forward
 from entmtp.spec.engine import Strategy, collect
 from entmtp.spec.heads import DraftHeads, head_features
-from entmtp.spec.phrasebook import Phrasebook, Rule, force_row, forcer
+from entmtp.spec.phrasebook import Phrasebook, Rule, force_row, forcer, spine_first
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
 from entmtp.bank.traces import WIDTH, Trace
@@ -55,35 +55,45 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
         if len(rows):
             paths = torch.stack([cont[rows + j] for j in range(d + 1)], dim=1)  # (R, d+1) true path
             z = heads.head_logits(d, feats[rows], paths).float()  # (R, K)
+            outside = torch.full((len(rows),), -1, dtype=torch.long, device=device)
             if book is not None:
                 spine = (ranks[: len(rows), :d] == 0).all(1).tolist()  # every earlier rank 0: still on the spine
-                z = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)[0]
-            target = inverse[cont[rows + d + 1]]  # (R,) index in the draft vocabulary, -1 if absent
+                z, _, first = _forced(book, rule, heads, prompt, continuation, z, paths.tolist(), spine)
+                outside = torch.tensor(first, dtype=torch.long, device=device)
+            true = cont[rows + d + 1]
+            target = inverse[true]  # (R,) index in the draft vocabulary, -1 if absent
             tz = z.gather(1, target.clamp(min=0)[:, None])
-            r = (z > tz).sum(-1)
-            ranks[: len(rows), d] = torch.where((target >= 0) & (r < width), r, torch.full_like(r, -1)).cpu()
+            # a token from outside the vocabulary put first on the spine ranks 0, the row's own after it
+            r = (z > tz).sum(-1) + (outside >= 0).long()
+            r = torch.where(target >= 0, r, torch.full_like(r, width))
+            r = torch.where((outside >= 0) & (true == outside), torch.zeros_like(r), r)
+            ranks[: len(rows), d] = torch.where(r < width, r, torch.full_like(r, -1)).cpu()
         z = heads.head_logits(d, feats, top_path).float()  # (N, K) along the heads' own chain
         p, idx = torch.softmax(z, -1).max(-1)
+        token = heads.to_token_ids(idx)
         if book is not None:  # the chain goes on through the phrasebook's first; p is the drafter's where it gives one
-            forced, q = _forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n)
+            forced, q, first = _forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n)
             idx = torch.softmax(forced, -1).max(-1)[1]
+            first = torch.tensor(first, dtype=torch.long, device=device)
+            token = torch.where(first >= 0, first, heads.to_token_ids(idx))
             q = torch.tensor(q, dtype=p.dtype, device=p.device)
             p = torch.where(q >= 0, q, p)
         chain[:, d] = p.cpu()
-        top_path = torch.cat([top_path, heads.to_token_ids(idx)[:, None]], dim=1)
+        top_path = torch.cat([top_path, token[:, None]], dim=1)
     return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
 
 
 def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], continuation: list[int],
-            z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> tuple[torch.Tensor, list[float]]:
+            z: torch.Tensor, paths: list[list[int]], active: list[bool]) -> tuple[torch.Tensor, list[float], list[int]]:
     """z (R, K), row i the head's logits at position i after `paths[i]` (the root c[i] and the
-    path on), with the tokens the rule puts first made first where `active[i]`, and per row the
-    probability the rule gives the first (-1: none, the head's stands): the text it reads is the
-    prompt and c[:i], as the engine's is at that step."""
+    path on), with the tokens the rule puts first made first where `active[i]`; per row the
+    probability the rule gives the first (-1: none, the head's stands) and the token it puts first
+    from outside the draft vocabulary (-1: none; `phrasebook.spine_first`): the text it reads is
+    the prompt and c[:i], as the engine's is at that step."""
     text = book.context(prompt)
     force = forcer(text, rule, heads.draft_vocab)
     probs = torch.softmax(z, -1).max(-1).values.tolist()
-    out, held, conf = z, 0, [-1.0] * len(active)
+    out, held, conf, first = z, 0, [-1.0] * len(active), [-1] * len(active)
     for i, on in enumerate(active):
         if not on:
             continue
@@ -93,7 +103,8 @@ def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], 
         if forced:
             out = out.clone() if out is z else out
             out[i] = force_row(z[i], forced)
-    return out, conf
+            first[i] = spine_first(forced)
+    return out, conf, first
 
 
 def draft_index(heads: DraftHeads, vocab: int) -> torch.Tensor:

@@ -10,18 +10,21 @@ import warnings
 import torch
 
 from entmtp.spec.heads import DraftHeads
-from entmtp.spec.phrasebook import Forcer, force_row
+from entmtp.spec.phrasebook import Forcer, force_row, spine_first
 from entmtp.spec.topology import Tree
 
 
 class Chain(tuple):
     """`top1_chain`'s (logits, probs), carrying the tokens its path went through after the root
     (`tokens`): a deeper chain from the same root and feature resumes from it without picking
-    them again. Unpacks as the pair."""
+    them again; `outside` holds, per depth, the spine's token where a phrasebook put one from
+    outside the draft vocabulary first (else -1), which `expand` makes that node's rank-0 child.
+    Unpacks as the pair."""
 
-    def __new__(cls, logits: list[torch.Tensor], probs: list[float], tokens: list[int]):
+    def __new__(cls, logits: list[torch.Tensor], probs: list[float], tokens: list[int], outside: list[int] | None = None):
         self = super().__new__(cls, (logits, probs))
         self.tokens = tokens
+        self.outside = outside if outside is not None else [-1] * len(tokens)
         return self
 
 
@@ -44,7 +47,8 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
     path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
     more, p, picked = _top1(heads, feature, path, depth, force)
-    return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
+    tokens = list(tokens) + picked.tolist()
+    return Chain(logits + more, probs + p.tolist(), tokens, heads.outside(tokens))
 
 
 def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
@@ -68,14 +72,16 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: i
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
         forced, q = force(path[0].tolist(), float(p), row) if force is not None else ([], -1.0)
+        token = heads.to_token_ids(idx).view(1)
         if forced:
             row = force_row(row, forced)
-            idx = torch.tensor(forced[0], device=row.device)
+            outside = spine_first(forced)  # a token outside the draft vocabulary goes first: the path goes on through it
+            token = torch.tensor([outside], device=row.device) if outside >= 0 else heads.to_token_ids(torch.tensor(forced[0], device=row.device)).view(1)
         if q >= 0:  # the drafter's probability for the spine's token (`phrasebook.forcer`)
             p = torch.tensor(q, dtype=p.dtype, device=p.device)
         logits.append(row)
         probs.append(p)
-        tokens.append(heads.to_token_ids(idx).view(1))
+        tokens.append(token)
         path = torch.cat([path, tokens[-1].view(1, 1)], dim=1)
     if not probs:
         return logits, torch.zeros(0, device=feature.device), torch.zeros(0, dtype=torch.long, device=feature.device)
@@ -90,19 +96,32 @@ def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tens
     return expand(tree, heads, feature, root, logits), probs
 
 
-def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int | torch.Tensor, chain: list[torch.Tensor]) -> torch.Tensor:
+def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int | torch.Tensor, chain: list[torch.Tensor],
+           outside: list[int] | None = None) -> torch.Tensor:
     """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
 
     Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
     their top-k become the children (child of rank r gets the rank-r token). Node order is
     (depth, path), so the rank-0 chain node (0, ..., 0) is the first parent when it has children;
     its logits then come from the top-1 chain. It need not have any: in [[0], [1], [1, 0]] the only
-    parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device.
+    parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device. `outside`
+    (`Chain.outside`): where the chain's token at depth d lies outside the draft vocabulary, the
+    chain node's children are that token, then its row's top k - 1.
     """
     device = feature.device
+    outside = [t for t in (outside or [])[: len(chain)]]
+
+    def ranked(row: torch.Tensor, k: int, d: int) -> torch.Tensor:  # (P, K) -> (P, k) token ids; row 0 the chain node's where reused
+        ids = heads.to_token_ids(torch.topk(row, k, dim=-1).indices)
+        if d < len(outside) and outside[d] >= 0:
+            first = torch.tensor([outside[d]], dtype=ids.dtype, device=ids.device)
+            ids = ids.clone()
+            ids[0] = torch.cat([first, ids[0, : k - 1]])
+        return ids
+
     if tree.chain_ks is not None and len(chain) >= len(tree.chain_ks):  # every parent on the chain: its logits are all there
         root = root.view(1) if isinstance(root, torch.Tensor) else torch.tensor([root], device=device)
-        return torch.cat([root] + [heads.to_token_ids(torch.topk(chain[d], k).indices) for d, k in enumerate(tree.chain_ks)])
+        return torch.cat([root] + [ranked(chain[d][None], k, d)[0] for d, k in enumerate(tree.chain_ks)])
     tokens = torch.empty(tree.n_nodes, dtype=torch.long, device=device)
     if isinstance(root, torch.Tensor):
         tokens[:1] = root.view(1)
@@ -110,17 +129,19 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
         tokens[0] = root
     for d, plan in enumerate(tree.plans):
         parents, children, slot = tree.plan_on(d, device)
+        on_chain = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
         if not heads.path_dependent:  # Medusa: one distribution per depth, shared by all parents
             row = chain[d][None] if d < len(chain) else heads.head_logits(d, feature[None], tokens[:1, None])
             table = heads.to_token_ids(torch.topk(row, plan.k, dim=-1).indices).expand(len(parents), -1)
+            if on_chain and d < len(outside) and outside[d] >= 0:
+                table = torch.cat([ranked(row, plan.k, d), table[1:]])
         else:
-            reuse = d < len(chain) and _is_chain_node(tree, int(plan.parents[0]))
-            rows = [chain[d][None]] if reuse else []
+            rows = [chain[d][None]] if on_chain else []
             paths = tree.ancestor_paths_on(d, device)[len(rows) :]  # (P', d+1)
             if len(paths):
                 rows.append(heads.head_logits(d, feature[None].expand(len(paths), -1), tokens[paths]))
             logits = torch.cat(rows, dim=0)  # (P, K)
-            table = heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
+            table = ranked(logits, plan.k, d) if on_chain else heads.to_token_ids(torch.topk(logits, plan.k, dim=-1).indices)  # (P, k)
         tokens[children] = table.reshape(-1)[slot]
     return tokens
 

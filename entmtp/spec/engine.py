@@ -228,14 +228,15 @@ class Engine:
             captured = drafts is not None and tree.n_nodes > 1
             if not captured:
                 if len(chain) < depth:
-                    chain, chain_probs = drafting.top1_chain(heads, feature, root, depth, chained, force)
+                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, depth, chained, force)
                 chain, chain_probs = chain[:depth], chain_probs[:depth]
             t1 = clock()
             # draft
             if captured:  # the chain through the tree's depth and its expansion, on the device
                 tokens, probs = drafts.draft(heads, tree, feature, root)
             else:
-                tokens = drafting.expand(tree, heads, feature, root, chain) if tree.n_nodes > 1 else torch.tensor([root], device=device)
+                outside = getattr(chained, "outside", None)  # the spine's tokens from outside the draft vocabulary
+                tokens = drafting.expand(tree, heads, feature, root, chain, outside) if tree.n_nodes > 1 else torch.tensor([root], device=device)
             t2 = clock()
             # verify
             hidden, logits = verify.tree_forward(model, cache, tree, tokens, past)

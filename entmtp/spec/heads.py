@@ -272,6 +272,16 @@ class DraftHeads(nn.Module):
         """Map draft-vocabulary indices back to token ids."""
         return self.draft_vocab[idx] if self.draft_vocab.numel() else idx
 
+    def outside(self, tokens: list[int]) -> list[int]:
+        """Per token, itself where it lies outside the draft vocabulary (a phrasebook's spine may
+        carry one: `phrasebook.spine_first`), else -1."""
+        if not self.draft_vocab.numel():
+            return [-1] * len(tokens)
+        ids = getattr(self, "_draft_ids", None)
+        if ids is None or ids[0] is not self.draft_vocab:
+            ids = self._draft_ids = (self.draft_vocab, frozenset(self.draft_vocab.tolist()))
+        return [t if t not in ids[1] else -1 for t in tokens]
+
     # -- per-generation context --------------------------------------------------------------
     def new_context(self) -> "HeadContext":
         return HeadContext()

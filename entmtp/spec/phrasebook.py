@@ -288,7 +288,8 @@ def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
 Rule = PhrasebookRule | Reranker
 Forcer = Callable[[Sequence[int], float, torch.Tensor], tuple[list[int], float]]
 """(spine path from the root, the head's top-1 probability, its logits) -> (the draft indices to
-put first, the drafter's probability for the first of them, or -1: the head's own stands)."""
+put first, the first possibly a token outside the vocabulary as -1 - token (`spine_first`), the
+drafter's probability for the first of them, or -1: the head's own stands)."""
 
 
 class NativeForcer:
@@ -318,7 +319,9 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = T
     Under a `PhrasebookRule`, the phrasebook's guess where the rule lets it, the head's top-1
     probability standing (-1); under a `Reranker`, its best candidates and its probability for the
     first, which the path value then reads. A token outside the heads' draft vocabulary (empty:
-    the whole vocabulary) cannot be drafted and is passed over."""
+    the whole vocabulary) has no entry in the head's row: the first may still go first on the
+    spine, named as `-1 - token` (`spine_first`; the row keeps the rest, the node's rank-0 child is
+    that token); any later one is passed over."""
     kernels = ext.loaded() if native else None  # where the served model runs on the extension, so does this
     if kernels is not None:
         layers = [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in rule.layers] if isinstance(rule, Reranker) else []
@@ -330,9 +333,20 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = T
     index = {t: i for i, t in enumerate(ids)} if ids else None
 
     def draftable(tokens: list[int], probs: list[float]) -> tuple[list[int], float]:
-        """The tokens' draft indices, those outside the vocabulary passed over, and the first kept one's probability."""
-        kept = [(i, q) for i, q in zip((t if index is None else index.get(t) for t in tokens), probs) if i is not None]
-        return [i for i, _ in kept], (kept[0][1] if kept else -1.0)
+        """The tokens' draft indices (the first outside the vocabulary as -1 - token, later ones
+        outside it passed over) and the first one's probability."""
+        kept: list[int] = []
+        p = -1.0
+        for t, q in zip(tokens, probs):
+            i = t if index is None else index.get(t)
+            if i is None:
+                if kept:
+                    continue
+                i = -1 - t
+            if not kept:
+                p = q
+            kept.append(i)
+        return kept, p
 
     if isinstance(rule, Reranker):
         def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
@@ -352,10 +366,18 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = T
     return force
 
 
+def spine_first(indices: Sequence[int]) -> int:
+    """The token a forcer puts first from outside the draft vocabulary (`-1 - token` first in
+    `indices`), or -1: the node's rank-0 child, ahead of everything its row ranks."""
+    return -1 - indices[0] if indices and indices[0] < 0 else -1
+
+
 def force_row(row: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
     """The head's logits (K,) with the draft indices `indices` made the largest, in that order:
     its top-k is then they followed by the head's own ranking of the rest (the merged ranking
-    drafting and traces share). Float32 sums, as the extension's HeadChain makes them."""
+    drafting and traces share; a first outside the vocabulary, `spine_first`, has no entry and
+    ranks ahead of the row). Float32 sums, as the extension's HeadChain makes them."""
+    indices = [i for i in indices if i >= 0]
     row = row.clone()
     top = row.max()
     for j, i in enumerate(indices):

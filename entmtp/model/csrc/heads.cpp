@@ -104,14 +104,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
       float* zp = z.data_ptr<float>();
       float mx = zp[0];
       for (int64_t k = 1; k < z.numel(); ++k) mx = zp[k] > mx ? zp[k] : mx;
-      const int64_t m = static_cast<int64_t>(forced.size());
+      // a first outside the draft vocabulary (-1 - token, phrasebook.spine_first) has no entry: the rest keep their order
+      const int64_t skip = forced[0] < 0 ? 1 : 0, m = static_cast<int64_t>(forced.size()) - skip;
       for (int64_t j = 0; j < m; ++j) {
-        TORCH_CHECK(forced[j] >= 0 && forced[j] < z.numel(), "HeadChain: a forced draft index ", forced[j], " is outside the ", z.numel(), " rows");
-        zp[forced[j]] = mx + static_cast<float>(m - j);
+        const int64_t at = forced[skip + j];
+        TORCH_CHECK(at >= 0 && at < z.numel(), "HeadChain: a forced draft index ", at, " is outside the ", z.numel(), " rows");
+        zp[at] = mx + static_cast<float>(m - j);
       }
       idx = forced[0];
     }
-    const int64_t token = present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
+    const int64_t token = idx < 0 ? -1 - idx : present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
     rows.push_back(z);
     path.push_back(token);
     tokens.data_ptr<int64_t>()[d - first] = token;

@@ -134,7 +134,10 @@ std::pair<std::vector<int64_t>, double> PhraseForcer::draftable(const std::vecto
   for (size_t i = 0; i < toks.size(); ++i) {
     int64_t j = toks[i];
     if (!ids.empty()) j = toks[i] >= 0 && toks[i] < static_cast<int64_t>(index.size()) ? index[toks[i]] : -1;
-    if (j < 0) continue;
+    if (j < 0) {  // outside the draft vocabulary: the first goes first on the spine as -1 - token, later ones are passed over
+      if (!kept.empty()) continue;
+      j = -1 - toks[i];
+    }
     if (kept.empty()) p = probs[i];
     kept.push_back(j);
   }

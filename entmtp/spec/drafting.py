@@ -109,7 +109,7 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     chain node's children are that token, then its row's top k - 1.
     """
     device = feature.device
-    outside = [t for t in (outside or [])[: len(chain)]]
+    outside = list(outside or [])[: len(chain)]
 
     def ranked(row: torch.Tensor, k: int, d: int) -> torch.Tensor:  # (P, K) -> (P, k) token ids; row 0 the chain node's where reused
         ids = heads.to_token_ids(torch.topk(row, k, dim=-1).indices)

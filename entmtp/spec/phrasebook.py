@@ -267,8 +267,15 @@ class Reranker:
         cands, x = candidate_features(matches, tokens, head_logp, depth)
         s = self.scores(x)
         p = softmax(s)
-        best = sorted(range(len(cands)), key=lambda i: -s[i])[: self.first]  # stable: the first candidate on a tie
+        best = sorted(range(len(cands)), key=lambda i: -tie_key(s[i]))[: self.first]  # stable: the first candidate on a tie
         return [cands[i] for i in best], [float(p[i]) for i in best]
+
+
+def tie_key(score: float) -> float:
+    """A score on a grid of 1e-9, the key candidates are ranked by (the first on a tie): identical
+    features can score a few ulps apart in numpy's BLAS (a row's sum order depends on where the row
+    falls in the matrix), never in the extension, so exact scores would order such ties apart."""
+    return float(np.rint(score * 1e9))
 
 
 def softmax(s: np.ndarray) -> np.ndarray:

@@ -246,7 +246,9 @@ std::pair<std::vector<int64_t>, double> PhraseForcer::force(const std::vector<in
   for (size_t i = 0; i < s.size(); ++i) sum += (e[i] = std::exp(s[i] - mx));
   std::vector<size_t> order(s.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return -s[a] < -s[b]; });
+  std::vector<double> key(s.size());  // phrasebook.tie_key: the score on a grid of 1e-9
+  for (size_t i = 0; i < s.size(); ++i) key[i] = std::nearbyint(s[i] * 1e9);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key[a] > key[b]; });
   std::vector<int64_t> toks;
   std::vector<double> probs;
   for (size_t i = 0; i < order.size() && static_cast<int64_t>(i) < first; ++i) {

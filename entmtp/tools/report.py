@@ -431,7 +431,7 @@ def glance(runs: list[dict], first: int = 1) -> list[str]:
 
 def render(runs: list[dict], floors: list[dict] = (), gpu: list[dict] = (), llamacpp: list[dict] = ()) -> str:
     """The Markdown of BENCHMARKS.md for bench results dicts in the given order: every run at a
-    glance, the last run of each of the `FULL_MACHINES` most recently benched machines in full, then the `kernels` results in `floors`, the GPU
+    glance, the last run of each of the `FULL_MACHINES` most recently benched machines in full, then the `kernels` results in `floors` (the last of each machine and kernels), the GPU
     checks and the llama.cpp comparisons. A run's optional "source" (the results file's path) is
     named under its heading."""
     if not runs:
@@ -444,7 +444,11 @@ def render(runs: list[dict], floors: list[dict] = (), gpu: list[dict] = (), llam
     if earlier:
         parts.append(f"Runs {_spans(earlier)} in full: [benchmarks/HISTORY.md](benchmarks/HISTORY.md).\n")
     parts += [_section(runs[n - 1], n) for n in keep]
-    parts += [floor_section(k) for k in floors]
+    latest_floors = {(k["hardware"], k.get("kernels")): k for k in floors}  # the last of each machine and kernels
+    parts += [floor_section(k) for k in floors if latest_floors[(k["hardware"], k.get("kernels"))] is k]
+    older = [k.get("source", DASH) for k in floors if latest_floors[(k["hardware"], k.get("kernels"))] is not k]
+    if older:
+        parts.append("Earlier `kernels` results of the same machines and kernels: " + ", ".join(f"`{o}`" for o in older) + ".\n")
     if gpu:
         parts.append(gpu_section(list(gpu)))
     if llamacpp:

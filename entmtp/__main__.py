@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="make this machine's served weights and CPU kernels ready (what `make setup` runs, "
                                         "so that the app's first start does not pay for them)")
     pr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
+    pr.add_argument("--watchdog", type=positive_int, default=900,
+                    help="seconds after which a prepare that has not finished prints every thread's stack and exits "
+                         "with 1 (it takes ~40 s on 2 cores; `make setup` then tries once more) (default: %(default)s)")
 
     kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
     kn.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
@@ -530,9 +533,14 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 def cmd_prepare(args: argparse.Namespace) -> None:
     """Load the model as the app serves it: the dequantised weights and the extension are built
     into their caches where missing (ENTMTP_CACHE, TORCH_EXTENSIONS_DIR), the heads are checked."""
+    import faulthandler
+
     from entmtp.model import ext
     from entmtp.runtime.runtime import load_runtime
 
+    # A hang (a deadlock in a library's thread pool, a stalled disk) must say where it hangs and
+    # end, not wait until the caller's own limit kills it without a word.
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
     t0 = time.perf_counter()
     rt = load_runtime(ModelConfig(model=args.model))
     print(f"entmtp: weights {rt.weights} ({rt.load_s:.1f} s)", flush=True)
@@ -544,6 +552,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     for kind in ("hydra", "medusa"):
         rt.heads(kind)
     print(f"entmtp: ready in {time.perf_counter() - t0:.1f} s")
+    faulthandler.cancel_dump_traceback_later()
 
 
 COMMANDS = {"prepare": cmd_prepare, "bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,

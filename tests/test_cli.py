@@ -152,3 +152,43 @@ def test_reports_name_the_cpus_vector_features():
     assert ("AVX2" in cpu_features()) == ("avx2" in flags)
     assert ("AVX-512 VNNI" in cpu_features()) == ("avx512_vnni" in flags)
     assert f"({cpu_features()})" in hardware() if cpu_features() else "(" not in hardware()
+
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_one_held_by_a_live_build_waited_for(tmp_path, capsys):
+    """PyTorch waits forever on a build lock file whose process was killed (a session cut off
+    mid-build, `make setup`'s watchdog): ours, an OS lock, goes with its process, and under it a
+    `lock` file left behind is removed; while another live process holds ours, we wait."""
+    import subprocess
+    import time
+
+    from entmtp.model import ext
+
+    (tmp_path / "lock").touch()  # what a killed build leaves
+    with ext._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "removing a build lock" in capsys.readouterr().err
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"h = open({str(tmp_path / 'entmtp.flock')!r}, 'w'); fcntl.flock(h, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(3)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.perf_counter()
+    with ext._build_lock(tmp_path):
+        waited = time.perf_counter() - started
+    holder.wait(timeout=60)
+    assert waited > 1.0
+
+
+def test_prepare_prints_every_threads_stack_and_exits_when_it_outlives_its_watchdog(tmp_path):
+    """A hung prepare must say where it hangs and end (CI has a limit of its own): here the
+    weights cannot finish loading within a one-second watchdog on a model that sleeps in its load."""
+    import time
+
+    code = ("import sys, time, entmtp.runtime.runtime as r\n"
+            "r.load_runtime = lambda *a, **k: time.sleep(60)\n"
+            "from entmtp.__main__ import main\n"
+            "sys.exit(main(['prepare', '--watchdog', '1']))\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and time.perf_counter() - started < 50
+    assert "Timeout" in done.stderr and "cmd_prepare" in done.stderr

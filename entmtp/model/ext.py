@@ -4,11 +4,13 @@ the reason it cannot serve here."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,21 +75,39 @@ def extension():
         if reason is None:
             from torch.utils import cpp_extension
 
+            started, built = time.perf_counter(), False
             try:
-                built = any(Path(cpp_extension._get_build_directory(NAME, False)).glob("*.so"))
-            except Exception:
-                built = False
-            if not built:
-                print("entmtp: building the GGUF block kernels for this machine (once, about half a minute)...", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            try:
-                _state["ext"] = cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:  # a compiler error, a missing header: oneDNN serves instead
+                folder = Path(cpp_extension._get_build_directory(NAME, False))
+                folder.mkdir(parents=True, exist_ok=True)
+                with _build_lock(folder):
+                    built = any(folder.glob("*.so"))
+                    if not built:
+                        print("entmtp: building the GGUF block kernels for this machine (once, about half a minute)...", file=sys.stderr, flush=True)
+                    _state["ext"] = cpp_extension.load(NAME, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # a compiler error, a missing header, no writable cache: oneDNN serves instead
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 reason = f"building them failed: {last}"
             _state["warmup"] = {"seconds": round(time.perf_counter() - started, 2), "built": not built}
         _state["error"] = reason
         return _state["ext"]
+
+
+@contextmanager
+def _build_lock(folder: Path):
+    """Hold the build folder for this process. PyTorch's own build lock is a plain file (`lock`)
+    that a killed build leaves behind, and every later load then waits on it forever (a session
+    cut off mid-build, `make setup`'s watchdog). An OS lock goes with the process that holds it:
+    under it no other process of ours is building, so a `lock` file found is stale and goes."""
+    with open(folder / "entmtp.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
+        stale = folder / "lock"
+        if stale.exists():
+            print(f"entmtp: removing a build lock left by a process that did not finish: {stale}", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def loaded():

@@ -13,8 +13,9 @@ the head alone and the share rule (`config.PhrasebookRule`).
     PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE] [--score-only]
                                                 [--hidden N] [--every K]
 
-`--hidden` and `--every` (fit on every K-th calibration prompt of each task) are for probing
-whether a wider scorer or more fitting data would pay (docs/heads.md, *The phrasebook*).
+`--hidden`, `--every` (fit on every K-th calibration prompt of each task) and `--book-every` (the
+book from every K-th stored answer) are for probing whether a wider scorer, more fitting data or a
+larger book would pay (docs/heads.md, *The phrasebook*).
 """
 
 from __future__ import annotations
@@ -150,11 +151,12 @@ def main() -> None:
     ap.add_argument("--score-only", action="store_true", help="score the reranker already at --out; fit nothing")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"width of the scorer's two layers (default: {HIDDEN})")
     ap.add_argument("--every", type=int, default=1, help="fit on every K-th calibration prompt of each task (default: 1, all)")
+    ap.add_argument("--book-every", type=int, default=1, help="the phrasebook from every K-th stored training answer (default: 1, all)")
     args = ap.parse_args()
     t0 = time.time()
     rt = load_runtime()
     heads = rt.heads("hydra")
-    book = Phrasebook(training_answers(rt.name, rt.encode))
+    book = Phrasebook(training_answers(rt.name, rt.encode)[:: args.book_every])
     stored = repo_store(rt.name, rt.arithmetic)
     with torch.inference_mode():
         # per prompt, so that --every picks from the rows already read

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")
     pr.add_argument("--watchdog", type=positive_int, default=900,
                     help="seconds after which a prepare that has not finished prints every thread's stack and exits "
-                         "with 1 (it takes ~40 s on 2 cores; `make setup` then tries once more) (default: %(default)s)")
+                         "with 1 (it took ~40 s on the 2-core AMD EPYC Zen 4; `make setup` then tries once more) (default: %(default)s)")
 
     kn = sub.add_parser("kernels", help="packed against stock CPU kernels: a tree verification and the LM head, per tree size")
     kn.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path (default: %(default)s)")

@@ -154,7 +154,6 @@ def test_reports_name_the_cpus_vector_features():
     assert f"({cpu_features()})" in hardware() if cpu_features() else "(" not in hardware()
 
 
-
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_one_held_by_a_live_build_waited_for(tmp_path, capsys):
     """PyTorch waits forever on a build lock file whose process was killed (a session cut off
     mid-build, `make setup`'s watchdog): ours, an OS lock, goes with its process, and under it a

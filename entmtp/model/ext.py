@@ -98,16 +98,13 @@ def _build_lock(folder: Path):
     that a killed build leaves behind, and every later load then waits on it forever (a session
     cut off mid-build, `make setup`'s watchdog). An OS lock goes with the process that holds it:
     under it no other process of ours is building, so a `lock` file found is stale and goes."""
-    with open(folder / "entmtp.flock", "w") as handle:
+    with open(folder / "entmtp.flock", "w") as handle:  # closing the file releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
         stale = folder / "lock"
         if stale.exists():
             print(f"entmtp: removing a build lock left by a process that did not finish: {stale}", file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def loaded():

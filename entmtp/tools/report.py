@@ -29,7 +29,7 @@ ROW_FIELDS = ("task", "method", "tokens_per_s", "predicted_tokens_per_s", "measu
               "mean_accepted", "ms_per_step", "phase_ms_per_step", "draft_share", "prompts", "tokens")
 TAU = "entmtp-tau"
 DASH = "–"
-GLANCE_RUNS = 25  # BENCHMARKS.md's glance lists this many of the latest runs; HISTORY.md's lists every run
+GLANCE_RUNS = 20  # BENCHMARKS.md's glance lists this many of the latest runs; HISTORY.md's lists every run
 
 INTRO = f"""# Benchmarks
 

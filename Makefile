@@ -18,4 +18,4 @@ demo: setup
 	$(PY) app.py
 
 test: setup browser
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=15

@@ -153,11 +153,13 @@ def test_the_page_on_zerogpu(space):
             assert page.locator(".toast-body").count() == 0, page.locator(".toast-body").all_inner_texts()
             page.get_by_role("tab", name="Bank").click()
             fitted = page.locator("p:visible", has_text="fitted to this machine")
-            expect(fitted.first).to_be_visible(timeout=180_000)
+            # the math fit may queue behind the code fit of the races above, and a task takes ~80 s
+            # to time and fit on an AVX2-only AMD EPYC Zen 3 (~30 s on a Zen 4): generous, not tight
+            expect(fitted.first).to_be_visible(timeout=600_000)
             before = sum(e.get("returned") == "fit_banks" for e in entries(log))
             page.get_by_role("button", name="Refit on this machine").click()
             expect(page.locator("p:visible", has_text="measuring this machine").first).to_be_visible(timeout=120_000)
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + 600
             while sum(e.get("returned") == "fit_banks" for e in entries(log)) == before:  # the refit's GPU call ended
                 assert time.monotonic() < deadline, entries(log)
                 page.wait_for_timeout(500)

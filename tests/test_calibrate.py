@@ -268,10 +268,44 @@ def test_tau_must_beat_the_static_tree_by_a_margin():
     from entmtp.spec.policy import StaticPolicy
 
     for gain, switches in ((TAU_MIN_GAIN / 2, False), (TAU_MIN_GAIN * 2, True)):
-        run = lambda pol, g=gain: SimpleNamespace(tokens_per_s=100.0 * (1 + g) if pol.small != pol.large else 100.0)  # noqa: E731
-        pol, tps = _fit_tau([0, 1], [0.3, 0.6], "p0", StaticPolicy(1), 100.0, run)
+        score = lambda pols, g=gain: [100.0 * (1 + g) if p.small != p.large else 100.0 for p in pols]  # noqa: E731
+        pol, tps = _fit_tau([0, 1], [0.3, 0.6], "p0", StaticPolicy(1), 100.0, score)
         assert (pol.small != pol.large) == switches
         assert tps == pytest.approx(100.0 * (1 + gain) if switches else 100.0)
+
+
+def test_tau_candidates_at_once_equal_simulate_bit_for_bit():
+    """`traces.simulate_tau` (every τ candidate of a fit in one vectorised decode) gives each
+    candidate's ms exactly as `simulate` does one by one: on every feature, the path value read
+    head by head at every depth with a chain cost per head, traces of different lengths (one
+    empty), candidates whose trees are equal, and thresholds that sit on recorded values."""
+    rng = random.Random(11)
+    trees = [compile_tree([], "n1-d0"), compile_tree([[0]], "n2-d1"), compile_tree([[0], [1], [0, 0]], "n3-d2"),
+             compile_tree([[0], [0, 0], [0, 0, 0]], "n4-d3")]
+    traces = []
+    for n in (0, 1, 9, 40, 23):
+        ranks = [[rng.choice([0, 0, 0, 1, -1]) for _ in range(3)] for _ in range(n)]
+        chain = [[rng.choice([0.25, 0.5, 0.9, rng.random()]) for _ in range(3)] for _ in range(n)]
+        p0 = [rng.choice([0.5, rng.random()]) for _ in range(n)]
+        traces.append(tr.Trace(rng.randrange(3, 30), ranks, p0, [rng.random() * 3 for _ in range(n)], chain))
+    tables = tr.Tables(trees, traces)
+    costs = [9.7, 11.3, 14.1, 19.9]
+    grid = [0.0, 0.1, 0.25, 0.5, 0.6, 0.9, 1.5]
+    chain_ms = [0.0, 0.4, 1.1, 2.3]
+    extra = [None] + [[max(0.0, chain_ms[d] - chain_ms[t.max_depth]) for t in trees] for d in range(1, 4)]
+    for feature, depth in (("p0", 0), ("neg_entropy", 0), ("path_value", 1), ("path_value", 2), ("path_value", 3)):
+        cands = [TauPolicy(a, b, on, off, feature, depth) for a in range(4) for b in range(a, 4) for on in grid for off in grid if off <= on]
+        if feature == "path_value":
+            reads = ([[[path_value(p, c[:k]) for k in range(1, depth + 1)] for p, c in zip(t.p0, t.chain)] for t in traces], extra)
+            want = [tr.simulate(tables, c.chooser, [], costs, 0.37, reads).ms for c in cands]
+            got = tr.simulate_tau(tables, cands, [], costs, 0.37, reads)
+        else:
+            feats = [t.feature(feature, 0) for t in traces]
+            want = [tr.simulate(tables, c.chooser, feats, costs, 0.37).ms for c in cands]
+            got = tr.simulate_tau(tables, cands, feats, costs, 0.37)
+        assert got == want, feature
+        assert len(set(want)) > 20  # the candidates really decode differently
+    assert tr.simulate_tau(tables, [], [], costs) == []
 
 
 def test_timing_turns_come_in_blocks():

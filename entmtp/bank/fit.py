@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from entmtp.bank.bank import pareto, policies_json
-from entmtp.bank.traces import Tables, Trace, foresight, simulate, spearman
+from entmtp.bank.traces import Tables, Trace, foresight, simulate, simulate_tau, spearman
 from entmtp.spec.policy import FEATURES, LadderPolicy, Policy, StaticPolicy, TauPolicy, path_value
 from entmtp.spec.topology import Tree
 
@@ -88,6 +88,16 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         return simulate(tables, policy.chooser, feats[(policy.feature, d if policy.feature == "path_value" else 0)], costs,
                         prefill_ms_per_token)
 
+    tokens = sum(len(t) for t in traces)
+
+    def score_tau(cands: list[TauPolicy], feature: str, d: int) -> list[float]:
+        """`run(c).tokens_per_s` of every τ candidate on one feature (through d heads), at once."""
+        if feature == "path_value":
+            ms = simulate_tau(tables, cands, [], costs, prefill_ms_per_token, ([[g[:d] for g in t] for t in partial], extra))
+        else:
+            ms = simulate_tau(tables, cands, feats[(feature, 0)], costs, prefill_ms_per_token)
+        return [tokens / max(1e-9, m) * 1e3 for m in ms]  # Outcome.tokens_per_s
+
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
     per_tree = {t.name: {"mean_accepted": round(o.mean_accepted, 4), "step_ms": round(step_ms[i], 3),
                          "measured_ms": round(measured[i], 3), "tokens_per_s": round(o.tokens_per_s, 3)}
@@ -105,7 +115,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         values = [v for row in feats[(f, d)] for v in row]
         grid_f = _quantiles(values, grid)
         ladder, ladder_tps = _fit_ladder(front, grid_f, f, run, d, static.tree)
-        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, run, d)
+        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, lambda c: score_tau(c, f, d), d)
         row = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
         if f == "path_value":  # each depth under "depths"; the feature's own row is its best depth's
             entry = by_feature.setdefault(f, {"depths": {}})
@@ -192,21 +202,19 @@ def _fit_ladder(front: list[int], grid: list[float], feature: str, run, depth: i
 TAU_MIN_GAIN = 0.01  # a switching τ must beat the static tree by this share of its predicted tok/s
 
 
-def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPolicy, static_tps: float, run,
+def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPolicy, static_tps: float, score,
              depth: int = 0) -> tuple[TauPolicy, float]:
     """Every pair small < large of front trees, τ_off <= τ_on on the grid; the static tree unless one
     beats it by TAU_MIN_GAIN (a smaller predicted gain is within the resolution of the measured step
-    costs: on the AMD EPYC such a τ measured 6–10% below its static tree)."""
+    costs: on the AMD EPYC such a τ measured 6–10% below its static tree). `score(candidates)`: their
+    predicted tok/s; the first of equals wins."""
     best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, feature, depth), static_tps
     bar = static_tps * (1 + TAU_MIN_GAIN)
-    for a, small in enumerate(front):
-        for large in front[a + 1 :]:
-            for on in grid:
-                for off in [g for g in grid if g <= on]:
-                    cand = TauPolicy(small, large, on, off, feature, depth)
-                    score = run(cand).tokens_per_s
-                    if score > max(best, bar) + 1e-9:
-                        best, best_pol = score, cand
+    cands = [TauPolicy(small, large, on, off, feature, depth)
+             for a, small in enumerate(front) for large in front[a + 1 :] for on in grid for off in grid if off <= on]
+    for cand, tps in zip(cands, score(cands)):
+        if tps > max(best, bar) + 1e-9:
+            best, best_pol = tps, cand
     return best_pol, best
 
 

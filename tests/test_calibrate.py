@@ -262,8 +262,6 @@ def test_fits_are_cached_per_machine(setup, tmp_path, monkeypatch):
 
 def test_tau_must_beat_the_static_tree_by_a_margin():
     """A switching τ whose predicted gain is under TAU_MIN_GAIN stays the static tree."""
-    from types import SimpleNamespace
-
     from entmtp.bank.fit import TAU_MIN_GAIN, _fit_tau
     from entmtp.spec.policy import StaticPolicy
 

@@ -157,6 +157,10 @@ class Service:
                     rt.heads(kind)
                 except LoadError as e:  # a race that needs them says so
                     print(f"entmtp: {e}", flush=True)
+            # the banks draft with it: built here (~6 s on 2 cores), not in a visitor's first race
+            # (on ZeroGPU that race's GPU call would pay for it)
+            self.status = "reading the phrasebook (n-grams of the stored answers)"
+            rt.phrasebook()
             self.status = f"ready (loaded in {time.monotonic() - started:.0f} s)"
         except Exception as e:  # the page shows it; a race names it
             self.error = f"{type(e).__name__}: {e}" if not isinstance(e, (LoadError, RaceError)) else str(e)

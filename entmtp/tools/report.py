@@ -766,7 +766,7 @@ def committed(root: Path = ROOT) -> dict[str, list]:
     if not runs:
         raise ReportError(f"no results files in {bench}")
     return {"runs": runs,
-            "floors": [read_floor(f, root) for f in sorted((bench / "kernels").glob("*.json"))],
+            "floors": [read_floor(f, root) for f in sorted((bench / "kernels").glob("*.json"), key=_natural)],
             "gpu": [read_gpu(f, root) for f in sorted((bench / "gpu").glob("*.json"), key=_natural)],
             "llamacpp": [read_llamacpp(f, root) for f in sorted((bench / "llamacpp").glob("*.json"), key=_natural)]}
 

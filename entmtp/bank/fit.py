@@ -80,22 +80,25 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     extra = [None] + [chain_extra(d) for d in range(1, depth + 1)]  # extra[d][tree]
     partial = [[[path_value(p, c[:d]) for d in range(1, depth + 1)] for p, c in zip(t.p0, t.chain)] for t in traces]
 
-    def run(policy: Policy):
+    def inputs(policy: Policy) -> tuple[list[list[float]], tuple | None]:
+        """(features, reads) a simulation of `policy` takes (`traces.simulate`)."""
         d = policy.depth or depth
         if policy.feature == "path_value" and not isinstance(policy, StaticPolicy):  # read head by head, as the engine does
-            reads = ([[g[:d] for g in t] for t in partial], extra)
-            return simulate(tables, policy.chooser, [], costs, prefill_ms_per_token, reads)
-        return simulate(tables, policy.chooser, feats[(policy.feature, d if policy.feature == "path_value" else 0)], costs,
-                        prefill_ms_per_token)
+            return [], ([[g[:d] for g in t] for t in partial], extra)
+        return feats[(policy.feature, d if policy.feature == "path_value" else 0)], None
+
+    def run(policy: Policy):
+        features, reads = inputs(policy)
+        return simulate(tables, policy.chooser, features, costs, prefill_ms_per_token, reads)
 
     tokens = sum(len(t) for t in traces)
 
-    def score_tau(cands: list[TauPolicy], feature: str, d: int) -> list[float]:
-        """`run(c).tokens_per_s` of every τ candidate on one feature (through d heads), at once."""
-        if feature == "path_value":
-            ms = simulate_tau(tables, cands, [], costs, prefill_ms_per_token, ([[g[:d] for g in t] for t in partial], extra))
-        else:
-            ms = simulate_tau(tables, cands, feats[(feature, 0)], costs, prefill_ms_per_token)
+    def score_tau(cands: list[TauPolicy]) -> list[float]:
+        """`run(c).tokens_per_s` of every τ candidate, at once (they share one feature and depth)."""
+        if not cands:
+            return []
+        features, reads = inputs(cands[0])
+        ms = simulate_tau(tables, cands, features, costs, prefill_ms_per_token, reads)
         return [tokens / max(1e-9, m) * 1e3 for m in ms]  # Outcome.tokens_per_s
 
     static_runs = [run(StaticPolicy(i)) for i in range(len(trees))]
@@ -115,7 +118,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
         values = [v for row in feats[(f, d)] for v in row]
         grid_f = _quantiles(values, grid)
         ladder, ladder_tps = _fit_ladder(front, grid_f, f, run, d, static.tree)
-        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, lambda c: score_tau(c, f, d), d)
+        tau, tau_tps = _fit_tau(front, grid_f, f, static, static_tps, score_tau, d)
         row = {"spearman": round(spearman(values, acc_big), 4), "ladder": round(ladder_tps, 3), "tau": round(tau_tps, 3)}
         if f == "path_value":  # each depth under "depths"; the feature's own row is its best depth's
             entry = by_feature.setdefault(f, {"depths": {}})

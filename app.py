@@ -34,6 +34,7 @@ from entmtp.runtime.weights import LoadError
 from entmtp.spec.topology import compile_tree
 
 CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
+CPU_CHART_EVERY_S = 2.5  # on a CPU, where the browser may share the engine's cores (service.CPU_YIELDS_PER_S)
 EXAMPLES = [
     ["Write a Python function `is_palindrome(s)` that ignores case and spaces, with a docstring.", "code"],
     ["Write a Python function that returns the n-th Fibonacci number iteratively.", "code"],
@@ -95,6 +96,7 @@ def make_race(service: Service):
             if models.loaded(model) is None:
                 yield status("loading this model (once)…")
             rt = models.get(model)
+            every = CHART_EVERY_S if rt.engine.device.type == "cuda" else CPU_CHART_EVERY_S
             trees = bank_trees(rt, req.task)
             service.queue_fit(model, req.task)
         steps = race_steps(service.key, req, model)
@@ -117,7 +119,7 @@ def make_race(service: Service):
                 ent.apply(update["sides"][0])
                 base.apply(update["sides"][1])
                 finished = ent.done and base.done
-                charts = finished or time.perf_counter() - last_chart > CHART_EVERY_S
+                charts = finished or time.perf_counter() - last_chart > every
                 view = tree_view(rt, trees, ent.records[-1]) if charts and ent.records else None
                 sides = {ent.name: ent.records, base.name: base.records}
                 final = (
@@ -361,14 +363,14 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                    race_plot, acc_plot, feat_plot, usage_plot, tree_out, step, views, cf_plot, cf_table]
         race_inputs = [prompt, task, policy, baseline, max_new, temperature, model, seed, custom_tau, tau_on, tau_off]
         event = run.click(make_race(service), race_inputs, outputs, api_name="race",
-                          concurrency_limit=cfg.concurrency, concurrency_id="race")
+                          concurrency_limit=cfg.concurrency, concurrency_id="race", show_progress="hidden")
         lesson_outputs = [lesson_md, tree_out, out_badge, ent_text, lesson_state]
         lesson_btn.click(make_lesson(service, first=True), [lesson_state, *race_inputs], lesson_outputs, api_name="lesson_step",
                          concurrency_limit=cfg.concurrency, concurrency_id="race")
         next_btn.click(make_lesson(service, first=False), [lesson_state, *race_inputs], lesson_outputs, api_visibility="private",
                        concurrency_limit=cfg.concurrency, concurrency_id="race")
         continued = cont_btn.click(make_race(service), race_inputs, outputs, api_visibility="private",
-                                   concurrency_limit=cfg.concurrency, concurrency_id="race")
+                                   concurrency_limit=cfg.concurrency, concurrency_id="race", show_progress="hidden")
         stop.click(None, None, None, cancels=[event, continued])
         step.release(show_step, [views, step], tree_out, api_visibility="private")
 

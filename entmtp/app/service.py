@@ -3,7 +3,7 @@ machine's bank fits (measured in the background, giving way to races), and the d
 race or a fit, run through `gpu.on_gpu` so that on a ZeroGPU Space it happens in the GPU worker.
 
 A race at the page: `Service.wait_ready` (progress messages while the model loads), then
-`race_steps`, whose yields are plain data (`Side.delta`), at most YIELDS_PER_S a second; the page
+`race_steps`, whose yields are plain data (`Side.delta`), at most YIELDS_PER_S a second (CPU_YIELDS_PER_S on a CPU); the page
 builds its figures from them. Before this machine's fit of the task's bank exists, a race runs
 with the bank file's shipped fit (and says so) while the fit is measured in the background.
 """
@@ -32,7 +32,13 @@ from entmtp.runtime.weights import LoadError, default_weights_kind
 from entmtp.spec.engine import GenerationError
 from entmtp.spec.policy import TauPolicy
 
-YIELDS_PER_S = 15  # a race's updates: each is pickled across the ZeroGPU process boundary
+YIELDS_PER_S = 15  # a race's updates on a GPU: each is pickled across the ZeroGPU process boundary
+# On a CPU the browser drawing the page may share the engine's cores (`make demo`), and whatever it
+# draws is taken from the steps both sides time: on the 2-core AMD EPYC Zen 3 (AVX2), a local
+# Chromium and 96 chat tokens, EntMTPτ measured 31-40 tok/s with 15 updates a second, charts every
+# 0.8 s and Gradio's progress overlays, 79-105 (a first race after start: 33) with 4 updates a second,
+# charts every 2.5 s (app.CPU_CHART_EVERY_S) and no overlays, and 148-150 with no browser (gradio_client).
+CPU_YIELDS_PER_S = 4
 RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's graphs, two prefills) and the counterfactual pass
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
@@ -261,7 +267,7 @@ def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") 
 @gpu.on_gpu(duration=lambda key, req, model=None: race_seconds(req))
 def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dict[str, Any]]:
     """A race on the device: first {"fingerprint", "names", "forecasts", "fitted", "note", "policy"}, then
-    {"sides": (EntMTP's delta, the baseline's delta)} at most YIELDS_PER_S a second, the last one
+    {"sides": (EntMTP's delta, the baseline's delta)} at most YIELDS_PER_S a second (CPU_YIELDS_PER_S on a CPU), the last one
     when both sides are done, then at temperature 0 {"counterfactual": what every bank tree would
     have done on this output}. Never a tensor, never a model object. On ZeroGPU the race ends
     itself before the GPU time it asked for runs out."""
@@ -274,6 +280,7 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
     yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "forecasts": (ent.forecast, base.forecast), "fitted": fitted,
            "note": bank_note(rt, req.task, bank), "policy": {"tau": tau, "feature": pol.feature, "depth": pol.depth or bank.max_depth}}
     deadline = time.monotonic() + race_seconds(req) - DEADLINE_MARGIN_S if gpu.zero_gpu() else None
+    rate = YIELDS_PER_S if rt.engine.device.type == "cuda" else CPU_YIELDS_PER_S
     last = 0.0
     try:
         with svc.turns.race():
@@ -285,7 +292,7 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
                     for side in (ent, base):
                         side.stop("the GPU time this race asked for ran out")
                 finished = ent.done and base.done
-                if finished or time.monotonic() - last >= 1 / YIELDS_PER_S:
+                if finished or time.monotonic() - last >= 1 / rate:
                     last = time.monotonic()
                     yield {"sides": (ent.delta(), base.delta())}
                 if finished:

@@ -10,12 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from entmtp.config import DEFAULT_MODEL, EVAL_SETS, TASKS
+from entmtp.config import DEFAULT_MODEL, EVAL_SETS, TASKS, ModelConfig
 from entmtp.data import everyday
 from entmtp.data.answers import ANSWER_CAPS, AnswerStore, repo_store, training_answers
 from entmtp.data.prompts import eval_set, prompts
+from entmtp.runtime.runtime import load_runtime
 from entmtp.runtime.weights import default_gguf
-from entmtp.spec.phrasebook import N_FEATURES, Phrasebook, Reranker, candidate_features, force_row, ngram_hash
+from entmtp.spec.phrasebook import N_FEATURES, Phrasebook, Reranker, _table, candidate_features, force_row, ngram_hash
 
 
 def _sequences(seed: int = 0) -> list[list[int]]:
@@ -23,8 +24,9 @@ def _sequences(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(6) for _ in range(rng.randrange(1, 60))] for _ in range(80)]
 
 
-def test_tables_hold_the_most_frequent_follower_of_every_ngram():
-    seqs = _sequences()
+@pytest.mark.parametrize("base", [0, 2**55])  # 2**55: token ids too wide for the packed sort key (the lexsort path)
+def test_tables_hold_the_most_frequent_follower_of_every_ngram(base):
+    seqs = [[base + t for t in s] for s in _sequences()]
     book = Phrasebook(seqs, max_n=4)
     for n in range(1, 5):
         counts: dict[tuple, Counter] = defaultdict(Counter)
@@ -36,6 +38,19 @@ def test_tables_hold_the_most_frequent_follower_of_every_ngram():
             best = min(c, key=lambda t: (-c[t], t))  # the largest count, the smallest token on a tie
             assert book.tables[n].get(ngram_hash(gram)) == (best, c[best], sum(c.values()))
     assert book.tables[2].get(ngram_hash((7, 7))) is None
+
+
+def test_the_packed_sort_and_the_lexsort_build_the_same_tables():
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 50, rng.integers(1, 200)) for _ in range(300)]  # many ties among followers
+    tokens = np.concatenate(seqs)
+    offset = np.concatenate([np.arange(len(s)) for s in seqs])
+    for n in range(1, 6):
+        a, b = _table(tokens, offset, n), _table(tokens, offset, n, packed=False)
+        for k in ("keys", "token", "count", "total"):
+            assert np.array_equal(getattr(a, k), getattr(b, k)) and getattr(a, k).dtype == getattr(b, k).dtype
+    empty = _table(np.arange(3), np.arange(3), 5)
+    assert len(empty.keys) == len(empty.token) == len(empty.count) == len(empty.total) == 0
 
 
 def test_a_proposal_takes_the_longest_suffix_the_text_first():
@@ -79,7 +94,7 @@ def test_the_reranker_scores_the_heads_and_the_books_candidates():
 
 
 @pytest.mark.slow
-def test_the_book_holds_answers_to_training_prompts_only():
+def test_the_book_holds_answers_to_training_prompts_only(tiny_dir):
     """Every stored answer the phrasebook reads belongs to a training prompt of some source; none
     to a calibration or evaluation prompt (the banks are fitted, the heads and benches measured on those)."""
     gguf = default_gguf()
@@ -90,6 +105,11 @@ def test_the_book_holds_answers_to_training_prompts_only():
         return tok(chat, add_special_tokens=False)["input_ids"]
 
     book = training_answers(DEFAULT_MODEL, encode)
+    # the runtime's batched encoding (what the app's phrasebook reads with): the same ids, the same book
+    rt = load_runtime(ModelConfig(model=str(tiny_dir)))
+    texts = [p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
+    assert rt.encode_all(texts) == [encode(t) for t in texts] and rt.encode(texts[0]) == encode(texts[0])
+    assert training_answers(DEFAULT_MODEL, encode, rt.encode_all) == book
     store = repo_store(DEFAULT_MODEL)
     keys = lambda texts: {AnswerStore(None, DEFAULT_MODEL + a).key(encode(t), cap)  # noqa: E731
                           for t in texts for a in ("", "+q8") for cap in ANSWER_CAPS}

@@ -163,7 +163,7 @@ class Service:
                     rt.heads(kind)
                 except LoadError as e:  # a race that needs them says so
                     print(f"entmtp: {e}", flush=True)
-            # the banks draft with it: built here (~6 s on 2 cores), not in a visitor's first race
+            # the banks draft with it: built here (~3 s on 2 cores), not in a visitor's first race
             # (on ZeroGPU that race's GPU call would pay for it)
             self.status = "reading the phrasebook (n-grams of the stored answers)"
             rt.phrasebook()

@@ -62,30 +62,49 @@ class Table:
         return None
 
 
-def _table(tokens: np.ndarray, offset: np.ndarray, n: int) -> Table:
-    """The n-gram table of the concatenated sequences `tokens`; `offset[i]` = i's place in its sequence."""
+def _table(tokens: np.ndarray, offset: np.ndarray, n: int, packed: bool = True) -> Table:
+    """The n-gram table of the concatenated sequences `tokens`; `offset[i]` = i's place in its sequence.
+
+    Both orderings it needs ((hash, next) to count pairs, then per hash the largest count and the
+    smallest token) sort one int64 key of the hash's rank among the distinct hashes, the count and
+    the token packed together, where they fit in 63 bits (the default model: always); else, or with
+    `packed` False, `np.lexsort` on the separate columns, the same order (tests compare the two).
+    On the 2-core AMD EPYC Zen 3 the eight tables of the stored answers took 1.4 s instead of 3.0."""
     at = np.nonzero(offset >= n)[0]  # positions whose n tokens before lie in the same sequence
     h = np.zeros(len(at), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(1, n + 1):  # the last token first, as `ngram_hash`
             h = (h ^ (tokens[at - j].astype(np.uint64) + np.uint64(1))) * np.uint64(_MUL)
     nxt = tokens[at]
-    order = np.lexsort((nxt, h))
-    h, nxt = h[order], nxt[order]
+    if not len(at):
+        return Table(h, nxt.astype(np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    # the hashes' ranks: equal hashes one rank, ranks in hash order
+    hs, rank = np.unique(h, return_inverse=True)
+    tb, rb, cb = int(nxt.max()).bit_length(), (len(hs) - 1).bit_length(), len(at).bit_length()
+    packed = packed and nxt.min() >= 0 and rb + cb + tb <= 63
     # runs of equal (hash, next): their counts
-    new_pair = np.ones(len(h), dtype=bool)
-    new_pair[1:] = (h[1:] != h[:-1]) | (nxt[1:] != nxt[:-1])
-    starts = np.nonzero(new_pair)[0]
-    pair_count = np.diff(np.append(starts, len(h)))
-    pair_h, pair_t = h[starts], nxt[starts]
+    if packed:
+        pair = np.unique((rank.astype(np.int64) << tb) | nxt, return_counts=True)
+        pair_r, pair_t, pair_count = pair[0] >> tb, pair[0] & ((1 << tb) - 1), pair[1]
+    else:
+        order = np.lexsort((nxt, rank))
+        r, t = rank[order], nxt[order]
+        new_pair = np.ones(len(r), dtype=bool)
+        new_pair[1:] = (r[1:] != r[:-1]) | (t[1:] != t[:-1])
+        starts = np.nonzero(new_pair)[0]
+        pair_count = np.diff(np.append(starts, len(r)))
+        pair_r, pair_t = r[starts], t[starts]
     # per hash: the pair of the largest count, the smallest token on a tie
-    order = np.lexsort((pair_t, -pair_count, pair_h))
-    pair_h, pair_t, pair_count = pair_h[order], pair_t[order], pair_count[order]
-    first = np.ones(len(pair_h), dtype=bool)
-    first[1:] = pair_h[1:] != pair_h[:-1]
+    if packed:
+        order = np.argsort((pair_r.astype(np.int64) << (cb + tb)) | ((len(at) - pair_count) << tb) | pair_t)
+    else:
+        order = np.lexsort((pair_t, -pair_count, pair_r))
+    pair_r, pair_t, pair_count = pair_r[order], pair_t[order], pair_count[order]
+    first = np.ones(len(pair_r), dtype=bool)
+    first[1:] = pair_r[1:] != pair_r[:-1]
     group = np.cumsum(first) - 1
     total = np.bincount(group, weights=pair_count).astype(np.int64)
-    return Table(pair_h[first], pair_t[first].astype(np.int64), pair_count[first].astype(np.int64), total)
+    return Table(hs, pair_t[first].astype(np.int64), pair_count[first].astype(np.int64), total)
 
 
 class Phrasebook:

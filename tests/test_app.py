@@ -13,7 +13,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from entmtp.config import DEFAULT_MODEL, ROOT, GenerationConfig
-from entmtp.spec.engine import collect
+from entmtp.spec.engine import StepRecord, collect
 from entmtp.spec.heads import HydraHeads, MedusaHeads
 from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import default_heads_dir
@@ -285,3 +285,32 @@ def test_the_lesson_says_when_fewer_heads_settled_the_choice():
     assert "after 1 of 2 heads" in early and "≤ τ_on 0.400" in early and "stays" in early
     full = why(pol, bank, 0.5, 1, heads_read=2)
     assert "through 2 heads = 0.500" in full and "up to `n4`" in full
+
+
+
+def _step(tree: str, ms: float, last: bool = False) -> StepRecord:
+    return StepRecord(step=1, tokens=[1], tree=tree, tree_index=0, tree_nodes=4, s=0.5, entropy=1.0, path_value=0.5, feature=0.5,
+                      accepted=1, accepted_nodes=[0], draft_tokens=[1], ms={}, step_ms=ms, elapsed_s=0.0, prefill_ms=1.0,
+                      finished=last)
+
+
+def test_a_side_says_when_its_steps_ran_far_slower_than_calibrated():
+    """Steps timed well above the fit's cost of the same trees (here: a browser drawing the page on the
+    same CPU) get a note under the side's figures; steps near their cost, too few steps, or no costs do not."""
+    costs = {"n4-d3": 10.0, "n2-d1": 8.0}
+
+    def side(times, trees=("n4-d3", "n2-d1"), step_ms=costs):
+        s = race.Side("EntMTPτ", forecast=None if step_ms is None else {"step_ms": step_ms})
+        s.records = [_step(trees[i % len(trees)], t, i == len(times) - 1) for i, t in enumerate(times)]
+        s.ids, s.done = [1] * len(times), True
+        s.predicted = lambda: ""  # no fit to predict from here
+        return s
+
+    busy = side([20.0, 16.0] * 6)
+    assert busy.slowdown() == pytest.approx(2.0)
+    assert "its steps took 2.0× what calibrating measured for the same trees here" in busy.stats()
+    calm = side([11.0, 8.5] * 6)
+    assert calm.slowdown() == pytest.approx(19.5 / 18.0) and "calibrating measured" not in calm.stats()
+    assert side([30.0] * 7).slowdown() is None  # too few steps to say
+    assert side([30.0] * 12, trees=("mc_sim_7b_63",)).slowdown() is None  # no cost for that tree
+    assert side([30.0] * 12, step_ms=None).slowdown() is None

@@ -33,6 +33,7 @@ TEMPERATURE = (0.0, 2.0)
 TAU_RANGE = (0.0, 1.0)  # every feature a policy reads lies in [0, 1]
 MAX_PROMPT_TOKENS = 2048  # a CPU prefill of more takes tens of seconds; the model allows 8192
 MAX_PROMPT_CHARS = 20_000  # refused before tokenising
+SLOW_STEPS, SLOW_RATIO = 8, 1.5  # a side's steps this much slower than calibrated: the page says the machine was busy
 
 
 class RaceError(ValueError):
@@ -324,6 +325,16 @@ class Side:
         return (f"predicted here for this prompt ({f['prompt_tokens']} tokens, "
                 + (f"{len(self.ids)} new" if emitted else f"up to {f['budget']} new") + f"): {tps:.1f} tokens/s")
 
+    def slowdown(self) -> float | None:
+        """This side's decode steps' time over what the fit measured for the same trees on this
+        machine (None before SLOW_STEPS steps or without those costs). Well above 1 means something
+        else used the machine during the race, e.g. a browser drawing this page on the same CPU."""
+        costs = (self.forecast or {}).get("step_ms") or {}
+        timed = [(r.step_ms, costs[r.tree]) for r in self.records if r.tree in costs]
+        if len(timed) < SLOW_STEPS:
+            return None
+        return sum(m for m, _ in timed) / max(1e-9, sum(c for _, c in timed))
+
     def stats(self, other: "Side | None" = None) -> str:
         head = f"#### {self.name}\n"
         said = self.predicted()
@@ -335,7 +346,10 @@ class Side:
             line += f" · **{self.tokens_per_s / other.tokens_per_s:.2f}×** baseline"
         detail = (f"{len(self.ids)} tokens in {steps} steps, {self.seconds:.2f} s "
                   f"(prefill {self.records[0].prefill_ms / 1e3:.2f} s)" + (f", stopped: {self.cut or self.records[-1].stop_reason}" if self.done else ""))
-        return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + "</small>"
+        slow = self.slowdown() if self.done else None
+        busy = (f"; ⚠️ its steps took {slow:.1f}× what calibrating measured for the same trees here: something else used "
+                "the machine meanwhile (on a CPU, a browser on the same machine drawing this page counts)") if slow and slow >= SLOW_RATIO else ""
+        return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + busy + "</small>"
 
 
 def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int) -> dict[str, Any] | None:
@@ -345,8 +359,13 @@ def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int) -
     fit = bank.fit or {}
     if not fit.get("context_cost") or method not in (fit.get("per_method") or {}):
         return None
+    step_ms = {name: t["step_ms"] for name, t in (fit.get("trees") or {}).items()}
+    if fit.get("baseline"):
+        step_ms[fit["baseline"]["name"]] = fit["baseline"]["step_ms"]
+    if "ar" in fit["per_method"]:  # plain decoding's steps are named after the method
+        step_ms["ar"] = fit["per_method"]["ar"]["step_ms"]
     return {"fit": {k: fit[k] for k in ("context", "context_cost", "per_method")}, "method": method,
-            "prompt_tokens": prompt_tokens, "budget": budget}
+            "prompt_tokens": prompt_tokens, "budget": budget, "step_ms": step_ms}
 
 
 def badge(ent: Side, base: Side, temperature: float) -> str:

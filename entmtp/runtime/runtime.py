@@ -288,21 +288,26 @@ class Runtime:
 
     def encode(self, prompt: str) -> list[int]:
         """The user message in the model's chat template, as token ids."""
-        return self.encode_all([prompt])[0]
+        return chat_ids(self.tokenizer, [prompt])[0]
 
     def encode_all(self, prompts: list[str]) -> list[list[int]]:
         """`encode` of each prompt, in one call of the tokenizer (each prompt's ids as alone)."""
-        tok = self.tokenizer
-        if not prompts:
-            return []
-        if getattr(tok, "chat_template", None):
-            texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                     for p in prompts]
-            return tok(texts, add_special_tokens=False)["input_ids"]
-        return tok(list(prompts))["input_ids"]
+        return chat_ids(self.tokenizer, prompts)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
+    """Each user message in the tokenizer's chat template (where it has one), as token ids, in one
+    call of the tokenizer: each prompt's ids as it alone would get them."""
+    if not prompts:
+        return []
+    if getattr(tok, "chat_template", None):
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        return tok(texts, add_special_tokens=False)["input_ids"]
+    return tok(list(prompts))["input_ids"]
 
 
 def load_runtime(

@@ -27,14 +27,12 @@ from entmtp.app import gpu, whatif
 from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_rows,
                              bank_trees, fallback_bank, live_bank, tau_defaults, tree_view, validate)
 from entmtp.app.lesson import explain
-from entmtp.app.service import Service, lesson, page_errors, race_steps
+from entmtp.app.service import Service, cadence, lesson, page_errors, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.figures import plots
 from entmtp.runtime.weights import LoadError
 from entmtp.spec.topology import compile_tree
 
-CHART_EVERY_S = 0.8  # charts are re-sent whole: at most this often while streaming
-CPU_CHART_EVERY_S = 2.5  # on a CPU, where the browser may share the engine's cores (service.CPU_YIELDS_PER_S)
 EXAMPLES = [
     ["Write a Python function `is_palindrome(s)` that ignores case and spaces, with a docstring.", "code"],
     ["Write a Python function that returns the n-th Fibonacci number iteratively.", "code"],
@@ -96,7 +94,7 @@ def make_race(service: Service):
             if models.loaded(model) is None:
                 yield status("loading this model (once)…")
             rt = models.get(model)
-            every = CHART_EVERY_S if rt.engine.device.type == "cuda" else CPU_CHART_EVERY_S
+            every = cadence(rt)[1]
             trees = bank_trees(rt, req.task)
             service.queue_fit(model, req.task)
         steps = race_steps(service.key, req, model)

@@ -32,18 +32,25 @@ from entmtp.runtime.weights import LoadError, default_weights_kind
 from entmtp.spec.engine import GenerationError
 from entmtp.spec.policy import TauPolicy
 
-YIELDS_PER_S = 15  # a race's updates on a GPU: each is pickled across the ZeroGPU process boundary
+# A race's cadence: updates a second (each is pickled across the ZeroGPU process boundary) and
+# seconds between chart redraws (charts are re-sent whole), on a GPU and on a CPU (`cadence`).
 # On a CPU the browser drawing the page may share the engine's cores (`make demo`), and whatever it
 # draws is taken from the steps both sides time: on the 2-core AMD EPYC Zen 3 (AVX2), a local
 # Chromium and 96 chat tokens, EntMTPτ measured 31-40 tok/s with 15 updates a second, charts every
 # 0.8 s and Gradio's progress overlays, 79-105 (a first race after start: 33) with 4 updates a second,
-# charts every 2.5 s (app.CPU_CHART_EVERY_S) and no overlays, and 148-150 with no browser (gradio_client).
-CPU_YIELDS_PER_S = 4
+# charts every 2.5 s and no overlays, and 148-150 with no browser (gradio_client).
+YIELDS_PER_S, CHART_EVERY_S = 15, 0.8
+CPU_YIELDS_PER_S, CPU_CHART_EVERY_S = 4, 2.5
 RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's graphs, two prefills) and the counterfactual pass
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
 DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
 _services: dict[int, "Service"] = {}
+
+
+def cadence(rt) -> tuple[float, float]:
+    """(updates a second, seconds between chart redraws) of a race on `rt`'s device."""
+    return (YIELDS_PER_S, CHART_EVERY_S) if rt.engine.device.type == "cuda" else (CPU_YIELDS_PER_S, CPU_CHART_EVERY_S)
 
 
 @contextmanager
@@ -280,7 +287,7 @@ def race_steps(key: int, req: Request, model: str | None = None) -> Iterator[dic
     yield {"fingerprint": rt.fingerprint, "names": (ent.name, base.name), "forecasts": (ent.forecast, base.forecast), "fitted": fitted,
            "note": bank_note(rt, req.task, bank), "policy": {"tau": tau, "feature": pol.feature, "depth": pol.depth or bank.max_depth}}
     deadline = time.monotonic() + race_seconds(req) - DEADLINE_MARGIN_S if gpu.zero_gpu() else None
-    rate = YIELDS_PER_S if rt.engine.device.type == "cuda" else CPU_YIELDS_PER_S
+    rate = cadence(rt)[0]
     last = 0.0
     try:
         with svc.turns.race():

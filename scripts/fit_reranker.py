@@ -156,7 +156,7 @@ def main() -> None:
     t0 = time.time()
     rt = load_runtime()
     heads = rt.heads("hydra")
-    book = Phrasebook(training_answers(rt.name, rt.encode)[:: args.book_every])
+    book = Phrasebook(training_answers(rt.name, rt.encode_all)[:: args.book_every])
     stored = repo_store(rt.name, rt.arithmetic)
     with torch.inference_mode():
         # per prompt, so that --every picks from the rows already read

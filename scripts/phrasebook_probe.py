@@ -82,7 +82,7 @@ def main() -> None:
     rt = load_runtime()
     heads = rt.heads("hydra")
     stored = repo_store(rt.name, rt.arithmetic)
-    book = Phrasebook(training_answers(rt.name, rt.encode))
+    book = Phrasebook(training_answers(rt.name, rt.encode_all))
     with torch.inference_mode():
         calib = {t: positions(rt, heads, book, [rt.encode(x) for x in calibration_prompts(t, None, 24)[0]], stored, "calib")
                  for t in TASKS}

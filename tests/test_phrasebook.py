@@ -104,12 +104,12 @@ def test_the_book_holds_answers_to_training_prompts_only(tiny_dir):
         chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         return tok(chat, add_special_tokens=False)["input_ids"]
 
-    book = training_answers(DEFAULT_MODEL, encode)
+    book = training_answers(DEFAULT_MODEL, lambda texts: [encode(t) for t in texts])
     # the runtime's batched encoding (what the app's phrasebook reads with): the same ids, the same book
     rt = load_runtime(ModelConfig(model=str(tiny_dir)))
     texts = [p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
     assert rt.encode_all(texts) == [encode(t) for t in texts] and rt.encode(texts[0]) == encode(texts[0])
-    assert training_answers(DEFAULT_MODEL, encode, rt.encode_all) == book
+    assert training_answers(DEFAULT_MODEL, rt.encode_all) == book
     store = repo_store(DEFAULT_MODEL)
     keys = lambda texts: {AnswerStore(None, DEFAULT_MODEL + a).key(encode(t), cap)  # noqa: E731
                           for t in texts for a in ("", "+q8") for cap in ANSWER_CAPS}

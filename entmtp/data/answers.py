@@ -84,10 +84,9 @@ def _lines(rows) -> str:
     return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
 
 
-def training_answers(model: str, encode: Callable[[str], list[int]],
-                     encode_all: Callable[[list[str]], list[list[int]]] | None = None) -> list[list[int]]:
+def training_answers(model: str, encode_all: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
     """The repository's stored answers of `model` to training prompts only ([] for other models).
-    `encode_all`: `encode` of a list of prompts at once, where the caller has one (faster).
+    `encode_all`: prompts to their token ids (`Runtime.encode_all`).
 
     Left out: the banks' calibration continuations (source "greedy") and every answer whose key is
     that of a calibration or evaluation prompt (any task, the everyday requests included), under
@@ -102,6 +101,6 @@ def training_answers(model: str, encode: Callable[[str], list[int]],
         return []
     texts = [p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
     texts += [it["prompt"] for name in EVAL_SETS for it in eval_set(name)]
-    ids = encode_all(texts) if encode_all is not None else [encode(t) for t in texts]
+    ids = encode_all(texts)
     held = {AnswerStore(None, model + arithmetic).key(p, cap) for p in ids for arithmetic in ("", "+q8") for cap in ANSWER_CAPS}
     return [r["tokens"] for k, r in store.rows.items() if r["source"] != "greedy" and k not in held]

@@ -147,7 +147,7 @@ class Runtime:
         (~3 s on the 2-core AMD EPYC Zen 3); None for a model that ships no stored answers."""
         with self._book_lock:
             if self._book is None:
-                answers = training_answers(self.name, self.encode, self.encode_all)
+                answers = training_answers(self.name, self.encode_all)
                 self._book = Phrasebook(answers) if answers else False
         return self._book or None
 

@@ -287,7 +287,6 @@ def test_the_lesson_says_when_fewer_heads_settled_the_choice():
     assert "through 2 heads = 0.500" in full and "up to `n4`" in full
 
 
-
 def _step(tree: str, ms: float, last: bool = False) -> StepRecord:
     return StepRecord(step=1, tokens=[1], tree=tree, tree_index=0, tree_nodes=4, s=0.5, entropy=1.0, path_value=0.5, feature=0.5,
                       accepted=1, accepted_nodes=[0], draft_tokens=[1], ms={}, step_ms=ms, elapsed_s=0.0, prefill_ms=1.0,

@@ -24,7 +24,6 @@ corpus's calibration answers. One JSON line per variant on stdout, progress on s
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -41,7 +40,8 @@ from entmtp.config import DEFAULT_MODEL, ModelConfig  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime  # noqa: E402
 from entmtp.spec.headfiles import load_heads  # noqa: E402
-from entmtp.spec.heads import ResBlock  # noqa: E402
+from entmtp.spec.heads import ResBlock, state_layer  # noqa: E402
+from entmtp.tools.train import Corpus, Flat, prefix_features  # noqa: E402
 
 VARIANTS = ("final", "prefix", "fused")
 
@@ -59,34 +59,17 @@ def read_split(folder: Path, encode) -> list[dict]:
     return out
 
 
-def decoder_layer(base_config) -> nn.Module:
-    """One decoder layer of the base model's shape, reading states, not token ids (as Hydra++'s)."""
-    from transformers import AutoModel
-
-    cfg = copy.deepcopy(base_config)
-    cfg.num_hidden_layers = 1
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:1]
-    layer = AutoModel.from_config(cfg)
-    layer.embed_tokens = None
-    return layer
-
-
 class Probe(nn.Module):
     def __init__(self, variant: str, hidden: int, base_config, embed: nn.Module):
         super().__init__()
         self.variant, self.embed = variant, embed  # embed: the base model's, frozen, not a parameter here
         if variant == "fused":
             self.fc = nn.Linear(2 * hidden, hidden)
-            self.layer = decoder_layer(base_config)
+            self.layer = state_layer(base_config)
             self.head = ResBlock(hidden)
         else:
-            self.layer = decoder_layer(base_config) if variant == "prefix" else None
+            self.layer = state_layer(base_config) if variant == "prefix" else None
             self.head = nn.Sequential(ResBlock(hidden, 1), ResBlock(hidden))
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[0])[None]
-        return self.layer(inputs_embeds=x[None], position_ids=pos, use_cache=False).last_hidden_state[0]
 
     def forward(self, a: dict, t: torch.Tensor, context: int | None = None) -> torch.Tensor:
         """Head outputs (len(t), H) at answer positions t of answer `a`; `context`: prompt states kept."""
@@ -100,11 +83,11 @@ class Probe(nn.Module):
         seq = torch.cat([ph[len(ph) - keep :], h])  # states at prompt positions, then the answer's
         at = keep + t  # answer position t in seq
         if self.variant == "prefix":
-            z = self._run(seq)
+            z = prefix_features(self.layer, seq)
             return self.head(torch.cat([z[at], e_answer[t]], -1))
         with torch.no_grad():  # fused: the token that followed each position (prompt ids, then answer)
             e_prompt = self.embed(torch.tensor(ids[len(ids) - keep :], dtype=torch.long)).float()
-        o = self._run(self.fc(torch.cat([seq, torch.cat([e_prompt, e_answer])], -1)))
+        o = prefix_features(self.layer, self.fc(torch.cat([seq, torch.cat([e_prompt, e_answer])], -1)))
         return self.head(o[at])
 
 
@@ -133,21 +116,14 @@ def main() -> None:
     train = [a for i, a in enumerate(every) if i % args.holdout != args.holdout // 2][:: args.train_every]
     other = [a for i, a in enumerate(every) if i % args.holdout == args.holdout // 2]
     calib = read_split(work / "corpus" / "calib", rt.encode)
-    with torch.no_grad():  # the teacher at every answer position, and the greedy token
-        hidden = torch.cat([a["hidden"] for a in every + calib])
-        idx, prob, greedy = [], [], []
-        for c in hidden.split(4096):  # large blocks: per-answer logits would fragment the heap
-            v, i = torch.topk(c @ lm.T, 32, -1)
-            idx.append(i)
-            prob.append(torch.softmax(v, -1))
-            greedy.append((c @ full_lm.T).argmax(-1))
-        idx, prob, greedy = torch.cat(idx), torch.cat(prob), torch.cat(greedy)
-        s = 0
-        for a in every + calib:
-            n = len(a["tokens"])
-            a["teacher"], a["greedy"] = (idx[s : s + n], prob[s : s + n]), greedy[s : s + n]
-            s += n
-        del hidden
+    with torch.no_grad():  # the teacher at every answer position (as train-heads makes it), and the greedy token
+        flat = Flat.of(Corpus([a["hidden"] for a in every + calib], [a["tokens"] for a in every + calib]))
+        flat.add_teacher(lm, 32)
+        # in large blocks: per-answer (n x vocab) logits would fragment the heap
+        greedy = torch.cat([(c @ full_lm.T).argmax(-1) for c in flat.hidden.split(4096)])
+        for a, s, e in zip(every + calib, flat.starts[:-1].tolist(), flat.starts[1:].tolist()):
+            a["teacher"], a["greedy"] = (flat.teacher_idx[s:e].long(), flat.teacher_p[s:e]), greedy[s:e]
+        del flat
     n_tok = sum(len(a["tokens"]) for a in train)
     print(f"train {len(train)} answers / {n_tok} tokens; held out {len(other)} answers, calib {len(calib)}",
           file=sys.stderr)

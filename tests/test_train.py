@@ -301,7 +301,7 @@ def test_prefix_features_equal_the_engines_incremental_prefix_layer(tiny):
     torch.manual_seed(3)
     heads = new_heads("hydra", replace(CFG, arch="prefix-mlp"), tiny).bind(tiny)
     seq = torch.randn(11, tiny.config.hidden_size)
-    whole = prefix_features(heads, seq)
+    whole = prefix_features(heads.prefix_embeding_layer, seq)
     ctx = heads.new_context()
     steps = [ctx.observe(seq[a:b]) for a, b in ((0, 4), (4, 5), (5, 8), (8, 11))]
     for (a, b), f in zip(((0, 4), (4, 5), (5, 8), (8, 11)), steps):

@@ -323,6 +323,21 @@ class PrefixContext(HeadContext):
         return out[0][0, -1]
 
 
+def state_layer(base_config: Any) -> nn.Module:
+    """One decoder layer of the base model's shape (a one-layer model of its config) that reads
+    hidden states (`inputs_embeds`), never token ids: Hydra++'s prefix layer. Its own embedding
+    table (vocab x hidden, larger than the heads) is neither kept nor saved."""
+    from transformers import AutoModel
+
+    cfg = copy.deepcopy(base_config)
+    cfg.num_hidden_layers = 1
+    if hasattr(cfg, "layer_types") and cfg.layer_types:
+        cfg.layer_types = cfg.layer_types[:1]
+    layer = AutoModel.from_config(cfg)
+    layer.embed_tokens = None
+    return layer
+
+
 class HydraHeads(DraftHeads):
     """Hydra heads. Head i reads [h ; E(x_{t+1}) ; ... ; E(x_{t+1+i})] and predicts x_{t+2+i}."""
 
@@ -365,16 +380,7 @@ class HydraHeads(DraftHeads):
         if prefix:
             if base_config is None:
                 raise HeadsError("prefix-mlp heads need the base model's config")
-            from transformers import AutoModel
-
-            cfg = copy.deepcopy(base_config)
-            cfg.num_hidden_layers = 1
-            if hasattr(cfg, "layer_types") and cfg.layer_types:
-                cfg.layer_types = cfg.layer_types[:1]
-            self.prefix_embeding_layer = AutoModel.from_config(cfg)
-            # it reads the base hidden states (inputs_embeds), never token ids: its own embedding
-            # table (vocab x hidden, larger than the heads) is neither kept nor saved
-            self.prefix_embeding_layer.embed_tokens = None
+            self.prefix_embeding_layer = state_layer(base_config)
 
     def own_lm_head(self, i: int) -> nn.Linear:
         head = self.hydra_lm_head[i]

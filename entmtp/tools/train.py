@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from entmtp.data import everyday, prompts as data
@@ -492,12 +493,12 @@ def train_heads(
     return {"steps": stop, "seconds": round(seconds, 1), "last": last}
 
 
-def prefix_features(heads: DraftHeads, sequence: torch.Tensor) -> torch.Tensor:
-    """Hydra++: the prefix layer over a whole sequence's base hidden states (L, H) -> (L, H).
+def prefix_features(layer: nn.Module, sequence: torch.Tensor) -> torch.Tensor:
+    """Hydra++: its prefix layer (`heads.prefix_embeding_layer`, a `heads.state_layer`) over a whole
+    sequence's base hidden states (L, H) -> (L, H), causally.
 
     Equal, position by position, to what the engine's `PrefixContext.observe` gives.
     """
-    layer = heads.prefix_embeding_layer
     pos = torch.arange(sequence.shape[0], device=sequence.device)[None]
     return layer(inputs_embeds=sequence[None], position_ids=pos, use_cache=False).last_hidden_state[0]
 
@@ -506,7 +507,7 @@ def _answer_features(heads: DraftHeads, flat: Flat, prompt_hidden: list[torch.Te
     """Features at answer `a`'s positions (n, H): the prefix layer run over prompt and answer."""
     s, e = int(flat.starts[a]), int(flat.starts[a + 1])
     x = torch.cat([prompt_hidden[a], flat.hidden[s:e]]).to(next(heads.parameters()).dtype)
-    return prefix_features(heads, x)[len(prompt_hidden[a]) :]
+    return prefix_features(heads.prefix_embeding_layer, x)[len(prompt_hidden[a]) :]
 
 
 def _prefix_batch(heads: DraftHeads, flat: Flat, prompt_hidden: list[torch.Tensor], cfg: TrainConfig,

@@ -44,7 +44,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from entmtp.model import forward
 from entmtp.model import kernels, serve
 from entmtp.model import kv
-from entmtp.spec import verify  # noqa: E402
 from entmtp.bank.bank import TopologyBank  # noqa: E402
 from entmtp.bank.fit import fit_task  # noqa: E402
 from entmtp.config import BASELINE_TREE, DEFAULT_MODEL, TASKS, TREES_FILE, GenerationConfig  # noqa: E402

@@ -16,7 +16,6 @@ import tempfile
 import torch
 
 from entmtp.data import prompts as data
-from entmtp.bank.bank import TopologyBank
 from entmtp.config import DEFAULT_MODEL, TREES_FILE, GenerationConfig, ModelConfig, TrainConfig
 from entmtp.spec.engine import Strategy
 from entmtp.spec.headfiles import load_heads, save_heads

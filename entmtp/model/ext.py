@@ -5,6 +5,7 @@ the reason it cannot serve here."""
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import shutil
 import sys
@@ -44,9 +45,7 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
         return f"this CPU has no AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return "no C++ compiler (c++ or g++) to build them"
-    try:
-        import ninja  # noqa: F401  (torch.utils.cpp_extension builds with it)
-    except ImportError:
+    if importlib.util.find_spec("ninja") is None:  # torch.utils.cpp_extension builds with it
         return "the ninja package is missing (pip install ninja)"
     return None
 

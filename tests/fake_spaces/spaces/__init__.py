@@ -29,7 +29,9 @@ import os
 import pickle
 import threading
 
-from . import config  # noqa: F401  (spaces.config.Config, as the real package exposes it)
+from . import config  # spaces.config.Config, as the real package exposes it
+
+__all__ = ["GPU", "config"]
 
 MAX_S = 120  # what a visitor who is not logged in may request at most (2 minutes a day)
 REQUESTS: list[dict] = []

@@ -75,6 +75,12 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tiny_dir, tmp_path, args, need
     assert needle in lines[0]
 
 
+def test_a_model_path_that_is_not_there_is_one_line_and_exit_2(capsys):
+    code, out, err = cli(capsys, "generate", "--prompt", "hi", "--model", "/nonexistent/model")
+    assert code == 2
+    assert err.strip() == "entmtp: error: model not found: '/nonexistent/model' is neither a folder nor a hub repo id"
+
+
 def test_module_entry_point_exits_2_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "entmtp", "generate", "--prompts", str(tmp_path / "missing.jsonl")],

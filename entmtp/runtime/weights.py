@@ -191,6 +191,8 @@ def resolve_weights(cfg: ModelConfig = ModelConfig()) -> Weights:
     compute = str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")
     if cfg.model != DEFAULT_MODEL:
         where = "local folder" if Path(cfg.model).exists() else "hub"
+        if where == "hub" and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", cfg.model):  # a path that is not there
+            raise LoadError(f"model not found: {cfg.model!r} is neither a folder nor a hub repo id")
         return Weights(cfg.model, f"{cfg.model} ({where}, run in {compute})")
     if default_weights_kind() == "gguf":
         folder = _default_model_dir(cfg)

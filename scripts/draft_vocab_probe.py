@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from entmtp.config import EVAL_HEADS_PROMPTS, GenerationConfig  # noqa: E402
-from entmtp.data.answers import AnswerStore, training_answers  # noqa: E402
+from entmtp.data.answers import training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.runtime.runtime import _heads_sample, load_runtime  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> None:
     counts = collections.Counter(t for answer in training_answers(rt.name, rt.encode_all) for t in answer)
     ranked = [t for t, _ in counts.most_common() if t not in inside]
     items = {name: [rt.encode(it["prompt"]) for it in eval_set(name, dict(EVAL_HEADS_PROMPTS)[name])] for name in SETS}  # eval-heads' own sets
-    store = AnswerStore(cache_root() / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)  # eval-heads' store
+    store = evalheads.eval_store(rt, cache_root())
     conts = {name: evalheads.continuations(rt, heads, ps, GenerationConfig().max_new_tokens, store) for name, ps in items.items()}
     trees = {name: tree for name, tree in evalheads.eval_trees().items() if name in evalheads.SMALL_TREES}
 

@@ -34,16 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from entmtp.bank.build import calibration_prompts  # noqa: E402
 from entmtp.bank.record import stored_greedy  # noqa: E402
-from entmtp.config import EVAL_SETS, TASKS, PhrasebookRule  # noqa: E402
-from entmtp.data.answers import AnswerStore, repo_store, training_answers  # noqa: E402
+from entmtp.config import EVAL_HEADS_PROMPTS, EVAL_SETS, TASKS, PhrasebookRule  # noqa: E402
+from entmtp.data.answers import repo_store, training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.model import forward  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime  # noqa: E402
+from entmtp.runtime.weights import cache_root  # noqa: E402
 from entmtp.spec.heads import head_features  # noqa: E402
 from entmtp.spec.phrasebook import HEAD_CANDIDATES, N_FEATURES, Phrasebook, Reranker, candidate_features, softmax  # noqa: E402
+from entmtp.tools.evalheads import eval_store  # noqa: E402
 
-EVAL_SIZES = {"code": 16, "math": 16, "chat": 48, "everyday": 72}  # eval-heads' sets
+EVAL_SIZES = dict(EVAL_HEADS_PROMPTS)  # eval-heads' sets
 DEPTHS = 4
 HIDDEN = 32
 
@@ -172,7 +174,7 @@ def main() -> None:
     rr = Reranker.load(out)
     vocab = set(heads.draft_vocab.tolist()) or None  # empty: the whole vocabulary
     print(f"wrote {out} ({rr.sha256})", file=sys.stderr)
-    evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+    evals = eval_store(rt, cache_root())  # eval-heads' own store
     with torch.inference_mode():
         sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
                 for name in EVAL_SETS}

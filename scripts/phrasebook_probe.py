@@ -29,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from entmtp.bank.build import calibration_prompts  # noqa: E402
 from entmtp.bank.record import record, stored_greedy  # noqa: E402
-from entmtp.config import EVAL_SETS, TASKS  # noqa: E402
-from entmtp.data.answers import AnswerStore, repo_store, training_answers  # noqa: E402
+from entmtp.config import EVAL_HEADS_PROMPTS, EVAL_SETS, TASKS  # noqa: E402
+from entmtp.data.answers import repo_store, training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.runtime.runtime import load_runtime  # noqa: E402
+from entmtp.runtime.weights import cache_root  # noqa: E402
 from entmtp.spec.phrasebook import Phrasebook  # noqa: E402
+from entmtp.tools.evalheads import eval_store  # noqa: E402
 
-EVAL_SIZES = {"code": 16, "math": 16, "chat": 48, "everyday": 72}  # eval-heads' sets
+EVAL_SIZES = dict(EVAL_HEADS_PROMPTS)  # eval-heads' sets
 M_GRID = range(1, 9)
 P_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
 S_GRID = (0.0, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
@@ -88,7 +90,7 @@ def main() -> None:
                  for t in TASKS}
         best = max(((m, p, s) for m in M_GRID for p in P_GRID for s in S_GRID),
                    key=lambda mps: sum(score(calib[t], *mps)[0] for t in TASKS))
-        evals = AnswerStore(Path.home() / ".cache" / "entmtp" / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+        evals = eval_store(rt, cache_root())  # eval-heads' own store
         sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
                 for name in EVAL_SETS}
     out = {"hardware": hardware(), "date": datetime.date.today().isoformat(), "book_tokens": book.n_tokens,

@@ -38,6 +38,14 @@ def bootstrap_ci(tokens: list[int], steps: list[int], reps: int = BOOTSTRAP, see
     return (values[int(0.025 * reps)], values[min(reps - 1, int(0.975 * reps))])
 
 
+def eval_store(rt, root: Path):
+    """The store of the served model's greedy continuations of evaluation prompts, under the user
+    cache `root` (`weights.cache_root`): never read by training."""
+    from entmtp.data.answers import AnswerStore
+
+    return AnswerStore(root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+
+
 def continuations(rt, heads, prompts: list[list[int]], new_tokens: int, store, progress: Callable | None = None) -> list[list[int]]:
     """The base model's greedy continuation of each prompt, from `store` or decoded (and stored)."""
     from entmtp.bank.record import stored_greedy
@@ -91,7 +99,7 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     log = log or (lambda line: print(line, flush=True))
     from entmtp.data.prompts import eval_set
     from entmtp.runtime.weights import eos_ids
-    from entmtp.data.answers import AnswerStore, repo_store
+    from entmtp.data.answers import repo_store
     from entmtp.tools.train import build_corpus, head_accuracy
 
     tok = rt.tokenizer
@@ -101,7 +109,7 @@ def evaluate(rt, kinds: list[str], prompts_per_task: dict[str, int], max_new_tok
     heldout = build_corpus(rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
                            end, TrainConfig(arch="prefix-mlp" if prefix else "mlp"), work, "calib", progress is not None,
                            repo_store(rt.name))
-    store = AnswerStore(cache_root / "eval-answers" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+    store = eval_store(rt, cache_root)
     items = {name: [rt.encode(it["prompt"]) for it in eval_set(name, n)] for name, n in prompts_per_task.items()}
     conts = {task: continuations(rt, rt.heads(kinds[0]), ps, max_new_tokens, store, progress) for task, ps in items.items()}
     report: dict[str, Any] = {"heldout": {}, "train_sample": {}, "accepted": {}, "small_trees": {},

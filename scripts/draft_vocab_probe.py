@@ -33,7 +33,7 @@ from entmtp.config import EVAL_HEADS_PROMPTS, GenerationConfig  # noqa: E402
 from entmtp.data.answers import training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
-from entmtp.runtime.runtime import _heads_sample, load_runtime  # noqa: E402
+from entmtp.runtime.runtime import load_runtime, served_heads  # noqa: E402
 from entmtp.runtime.weights import cache_root  # noqa: E402
 from entmtp.tools import evalheads  # noqa: E402
 
@@ -61,7 +61,7 @@ def main() -> None:
     for extra in args.extra.split(","):
         vocab = torch.empty(0, dtype=torch.long) if extra == "all" else torch.cat([shipped, torch.tensor(ranked[: int(extra)], dtype=torch.long)])
         heads.set_draft_vocab(vocab)
-        heads.pack(_heads_sample(rt.model, heads))  # as `resolve_heads` serves them: Q8 blocks, smoothing from a sample
+        served_heads(rt.model, heads)  # repacked over the new vocabulary, as `resolve_heads` serves them
         size = int(vocab.numel()) or heads.vocab_size
         for book in (False, True):
             started, row = time.time(), {"draft_vocab": size, "phrasebook": book}

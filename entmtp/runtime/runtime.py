@@ -68,13 +68,18 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         loaded = load_heads(path, cfg)
         if loaded.kind != kind:
             raise LoadError(f"{path} holds {loaded.kind} heads, {kind} heads are needed")
-        loaded.bind(model)
-        if not serve.is_packed(model):
-            return loaded
-        device = model.get_output_embeddings().weight.device
-        return loaded.pack(_heads_sample(model, loaded) if kernels.int8_available(device) else None)
+        return served_heads(model, loaded.bind(model))
     except HeadsError as e:
         raise LoadError(f"heads {path}: {e}") from None
+
+
+def served_heads(model, heads: DraftHeads) -> DraftHeads:
+    """Bound heads as `model` serves them: packed where the model is (Q8 blocks, their smoothing
+    set from `_heads_sample`), else as they are. Again after `set_draft_vocab`."""
+    if not serve.is_packed(model):
+        return heads
+    device = model.get_output_embeddings().weight.device
+    return heads.pack(_heads_sample(model, heads) if kernels.int8_available(device) else None)
 
 
 @torch.inference_mode()

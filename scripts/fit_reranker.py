@@ -11,11 +11,13 @@ fixed seed), on calibration prompts only; the evaluation sets are then scored fo
 the head alone and the share rule (`config.PhrasebookRule`).
 
     PYTHONPATH=. python scripts/fit_reranker.py [--out assets/heads/<model>/hydra/reranker.json] [--record FILE] [--score-only]
-                                                [--hidden N] [--every K]
+                                                [--hidden N] [--every K] [--everyday N] [--book-every K]
 
-`--hidden`, `--every` (fit on every K-th calibration prompt of each task) and `--book-every` (the
-book from every K-th stored answer) are for probing whether a wider scorer, more fitting data or a
-larger book would pay (docs/heads.md, *The phrasebook*).
+`--hidden`, `--every` (fit on every K-th calibration prompt of each task), `--everyday N` (fit also
+on the first N of the everyday requests' calibration prompts, their continuations decoded once and
+kept in the user cache) and `--book-every` (the book from every K-th stored answer) are for probing
+whether a wider scorer, more or other fitting data or a larger book would pay (docs/heads.md, *The
+phrasebook*).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from entmtp.bank.build import calibration_prompts  # noqa: E402
 from entmtp.bank.record import stored_greedy  # noqa: E402
 from entmtp.config import EVAL_HEADS_PROMPTS, EVAL_SETS, TASKS, PhrasebookRule  # noqa: E402
-from entmtp.data.answers import repo_store, training_answers  # noqa: E402
+from entmtp.data import everyday  # noqa: E402
+from entmtp.data.answers import AnswerStore, repo_store, training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.model import forward  # noqa: E402
@@ -153,6 +156,8 @@ def main() -> None:
     ap.add_argument("--score-only", action="store_true", help="score the reranker already at --out; fit nothing")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"width of the scorer's two layers (default: {HIDDEN})")
     ap.add_argument("--every", type=int, default=1, help="fit on every K-th calibration prompt of each task (default: 1, all)")
+    ap.add_argument("--everyday", type=int, default=0, metavar="N",
+                    help="fit also on the first N everyday calibration prompts (default: 0, none)")
     ap.add_argument("--book-every", type=int, default=1, help="the phrasebook from every K-th stored training answer (default: 1, all)")
     args = ap.parse_args()
     t0 = time.time()
@@ -163,13 +168,17 @@ def main() -> None:
     with torch.inference_mode():
         # per prompt, so that --every picks from the rows already read
         per_prompt = {t: [positions(rt, heads, book, [rt.encode(x)], stored, "calib") for x in calibration_prompts(t, None, 24)[0]] for t in TASKS}
-    calib = {t: [r for rows in per_prompt[t] for r in rows] for t in TASKS}
-    fitted_on = {t: [r for rows in per_prompt[t][:: args.every] for r in rows] for t in TASKS}
+        if args.everyday:  # their continuations are kept in the user cache, beside eval-heads' store
+            kept = AnswerStore(cache_root() / "everyday-calib" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
+            per_prompt["everyday"] = [positions(rt, heads, book, [rt.encode(x)], kept, "calib") for x in everyday.prompts("calib")[: args.everyday]]
+    calib = {t: [r for rows in per_prompt[t] for r in rows] for t in per_prompt}
+    fitted_on = {t: [r for rows in per_prompt[t][:: args.every] for r in rows] for t in per_prompt}
     out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"
     if not args.score_only:
-        rr = fit([r for t in TASKS for r in fitted_on[t]], hidden=args.hidden)
+        rr = fit([r for t in fitted_on for r in fitted_on[t]], hidden=args.hidden)
         every = f", every {args.every}-th" if args.every > 1 else ""
-        rr.save(out, {"fitted_on": f"the banks' calibration prompts (24 a task{every}), depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
+        extra = f" and the first {args.everyday} everyday calibration prompts" if args.everyday else ""
+        rr.save(out, {"fitted_on": f"the banks' calibration prompts (24 a task{every}){extra}, depths 0-3", "heads_sha256": heads.provenance.get("sha256", ""),
                       "date": datetime.date.today().isoformat()})
     rr = Reranker.load(out)
     vocab = set(heads.draft_vocab.tolist()) or None  # empty: the whole vocabulary
@@ -179,7 +188,7 @@ def main() -> None:
         sets = {name: positions(rt, heads, book, [rt.encode(it["prompt"]) for it in eval_set(name, EVAL_SIZES[name])], evals, "eval")
                 for name in EVAL_SETS}
     record = {"hardware": hardware(), "date": datetime.date.today().isoformat(), "reranker": rr.path, "sha256": rr.sha256,
-              "calib": {t: rates(calib[t], rr, vocab) for t in TASKS}, "eval": {k: rates(v, rr, vocab) for k, v in sets.items()},
+              "calib": {t: rates(calib[t], rr, vocab) for t in calib}, "eval": {k: rates(v, rr, vocab) for k, v in sets.items()},
               "seconds": round(time.time() - t0, 1)}
     for split in ("calib", "eval"):
         for name, r in record[split].items():

@@ -14,10 +14,10 @@ the head alone and the share rule (`config.PhrasebookRule`).
                                                 [--hidden N] [--every K] [--everyday N] [--book-every K]
 
 `--hidden`, `--every` (fit on every K-th calibration prompt of each task), `--everyday N` (fit also
-on the first N of the everyday requests' calibration prompts, their continuations decoded once and
-kept in the user cache) and `--book-every` (the book from every K-th stored answer) are for probing
-whether a wider scorer, more or other fitting data or a larger book would pay (docs/heads.md, *The
-phrasebook*).
+on the first N of the everyday requests' calibration prompts, their continuations kept in the
+repository's answer store like the tasks') and `--book-every` (the book from every K-th stored
+answer) are for probing whether a wider scorer, more or other fitting data or a larger book would
+pay (docs/heads.md, *The phrasebook*).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from entmtp.bank.build import calibration_prompts  # noqa: E402
 from entmtp.bank.record import stored_greedy  # noqa: E402
 from entmtp.config import EVAL_HEADS_PROMPTS, EVAL_SETS, TASKS, PhrasebookRule  # noqa: E402
 from entmtp.data import everyday  # noqa: E402
-from entmtp.data.answers import AnswerStore, repo_store, training_answers  # noqa: E402
+from entmtp.data.answers import repo_store, training_answers  # noqa: E402
 from entmtp.data.prompts import eval_set  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
 from entmtp.model import forward  # noqa: E402
@@ -168,9 +168,8 @@ def main() -> None:
     with torch.inference_mode():
         # per prompt, so that --every picks from the rows already read
         per_prompt = {t: [positions(rt, heads, book, [rt.encode(x)], stored, "calib") for x in calibration_prompts(t, None, 24)[0]] for t in TASKS}
-        if args.everyday:  # their continuations are kept in the user cache, beside eval-heads' store
-            kept = AnswerStore(cache_root() / "everyday-calib" / f"{rt.slug}.jsonl.gz", rt.name + rt.arithmetic)
-            per_prompt["everyday"] = [positions(rt, heads, book, [rt.encode(x)], kept, "calib") for x in everyday.prompts("calib")[: args.everyday]]
+        if args.everyday:
+            per_prompt["everyday"] = [positions(rt, heads, book, [rt.encode(x)], stored, "calib") for x in everyday.prompts("calib")[: args.everyday]]
     calib = {t: [r for rows in per_prompt[t] for r in rows] for t in per_prompt}
     fitted_on = {t: [r for rows in per_prompt[t][:: args.every] for r in rows] for t in per_prompt}
     out = Path(args.out) if args.out else default_heads_dir(rt.name, "hydra") / "reranker.json"

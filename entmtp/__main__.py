@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
     kn.add_argument("--reps", type=positive_int, default=k.reps, help="timed rounds, medians reported (default: %(default)s)")
     kn.add_argument("--context", type=positive_int, default=k.context, help="cached tokens a tree attends to (default: %(default)s)")
+    kn.add_argument("--chain-only", action="store_true",
+                    help="time only the Hydra heads' top-1 chain per depth (cold after a base step, and warm; bytes and bandwidth)")
     return parser
 
 
@@ -506,7 +508,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
     from entmtp.machine import hardware
     from entmtp.model.serve import is_packed
-    from entmtp.tools.kernelbench import compare, compare_table, isa_rows, isa_table
+    from entmtp.tools.kernelbench import chain_costs, chain_table, compare, compare_table, isa_rows, isa_table
     from entmtp.runtime.runtime import load_runtime
 
     threads = torch.get_num_threads()
@@ -520,13 +522,25 @@ def cmd_kernels(args: argparse.Namespace) -> None:
         from entmtp.model.serve import label
 
         result = {"hardware": hardware(), "model": rt.name, "weights": rt.weights, "dtype": "float32", "kernels": label(rt.model),
-                  **compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup), "torch": torch.__version__,
-                  "isa": isa_rows(rt.model, cfg.rows, cfg.context, cfg.reps, cfg.warmup)}
+                  "torch": torch.__version__}
+        if not args.chain_only:
+            result.update(compare(rt.model, cfg.sizes, cfg.context, cfg.reps, cfg.warmup))
+            result["isa"] = isa_rows(rt.model, cfg.rows, cfg.context, cfg.reps, cfg.warmup)
+        from entmtp.runtime.weights import LoadError
+
+        try:
+            heads = rt.heads("hydra")
+        except LoadError:
+            heads = None  # a model without Hydra heads: no chain to time
+        result["chain"] = chain_costs(rt.engine, heads, reps=max(cfg.reps, 25), context=cfg.context) if heads is not None else None
     finally:
         torch.set_num_threads(threads)
-    print(compare_table(result))
-    if result["isa"]:
-        print(isa_table(result["isa"]))
+    if not args.chain_only:
+        print(compare_table(result))
+        if result["isa"]:
+            print(isa_table(result["isa"]))
+    if result["chain"]:
+        print(chain_table(result["chain"]))
     print(json.dumps(result))
 
 

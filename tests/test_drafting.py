@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from entmtp.model import gguf
 from entmtp.spec.drafting import _top1, expand, top1_chain
 from entmtp.spec.topology import compile_tree
 from conftest import random_heads, random_tree
@@ -111,17 +112,22 @@ def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw)
             assert again[1] == whole[1] and all(torch.equal(a, b) for a, b in zip(again[0], whole[0]))
 
 
+@pytest.mark.parametrize("blocks", ["q8_0", "q4_1"])
 @pytest.mark.parametrize("kind, kw", KINDS)
-def test_chain_on_q8_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw):
-    """Heads on Q8 blocks run the top-1 chain in one extension call (`top1_on_blocks`): the same
-    logits and probabilities as the modules, op by op, from the root or from a longer path, with
-    and without a draft vocabulary, so the engine drafts what a bank's traces recorded."""
+def test_chain_on_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw, blocks):
+    """Heads on GGUF blocks (Q8_0 or Q4_1 ResBlocks) run the top-1 chain in one extension call
+    (`top1_on_blocks`, a widened ResBlock's two linears as one product): the same logits and
+    probabilities as the modules, op by op, from the root or from a longer path, with and without
+    a draft vocabulary, so the engine drafts what a bank's traces recorded."""
     heads = random_heads(model, kind, **kw)
+    heads.blocks = blocks
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
     for vocab in (None, torch.arange(3, 47, 2)):
         heads.set_draft_vocab(vocab)
         packed = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
-        assert packed.numerics.startswith("q8-blocks") and packed._chain is not None
+        assert packed.numerics.startswith("q8-blocks" if blocks == "q8_0" else "q4_1-blocks") and packed._chain is not None
+        assert all(lin.kind == blocks for i in range(packed.num_heads) for b in packed.head_blocks(i)
+                   for lin in (b.linear, b.res_connection) if isinstance(lin, gguf.BlockLinear))
         with torch.inference_mode():
             for root, feature in features(model, packed, 6):
                 for start in ([root], [root, 5], [root, 5, 7]):

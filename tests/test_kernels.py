@@ -3,6 +3,7 @@
 import copy
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,11 +173,12 @@ def test_int8_rows_do_not_depend_on_the_batch():
 
 
 @pytest.mark.skipif(gguf.extension() is None, reason="the GGUF block kernels do not build here")
-def test_q8_block_rows_do_not_depend_on_the_batch():
-    """The draft heads' Q8 block linears: a row's result is the same bits alone, among a few and
-    among hundreds (a bank's traces read every position in one call, past the base model's
-    64-row float32 switch), on every instruction-set path; close to float32 with an outlier
-    channel once smoothed, and closer than row-wise int8."""
+@pytest.mark.parametrize("kind, bound", [("q8_0", 0.02), ("q4_1", 0.1)])
+def test_block_rows_do_not_depend_on_the_batch(kind, bound):
+    """The draft heads' block linears (Q8_0 or Q4_1 weights, Q8 inputs): a row's result is the
+    same bits alone, among a few and among hundreds (a bank's traces read every position in one
+    call, past the base model's 64-row float32 switch), on every instruction-set path; close to
+    float32 with an outlier channel once smoothed (Q8_0: closer than row-wise int8)."""
     from entmtp.model import ext
 
     g = torch.Generator().manual_seed(0)
@@ -186,15 +188,39 @@ def test_q8_block_rows_do_not_depend_on_the_batch():
     smooth = kernels.smooth_factors(lin.weight, x.abs().amax(0))
     with torch.inference_mode():
         want = lin(x)
-        ref = gguf.Q8BlockLinear(lin.weight, lin.bias, smooth, isa="scalar")(x)
+        ref = gguf.BlockLinear(lin.weight, lin.bias, smooth, isa="scalar", kind=kind)(x)
         for isa in ext.extension().isas():
-            layer = gguf.Q8BlockLinear(lin.weight, lin.bias, smooth, isa=isa)
+            layer = gguf.BlockLinear(lin.weight, lin.bias, smooth, isa=isa, kind=kind)
             batch = layer(x)
             assert torch.equal(batch, ref), isa
             assert all(torch.equal(layer(x[r : r + 1])[0], batch[r]) for r in (0, 5, 149))
             assert torch.equal(layer(x[10:13]), batch[10:13])
         assert layer(x[None, :7]).shape == (1, 7, 40)
         err = lambda y: float((y - want).abs().max() / want.abs().max())
-        plain = gguf.Q8BlockLinear(lin.weight, lin.bias)(x)
-        rows = kernels.Int8RowLinear(lin.weight, lin.bias, x.abs().amax(0))(x) if kernels.int8_available("cpu") else plain
-        assert err(ref) < 0.02 and err(ref) <= err(plain) and err(ref) <= err(rows), (err(ref), err(plain), err(rows))
+        plain = gguf.BlockLinear(lin.weight, lin.bias, kind=kind)(x)
+        assert err(ref) < bound and err(ref) <= err(plain), (err(ref), err(plain))
+        if kind == "q8_0":
+            rows = kernels.Int8RowLinear(lin.weight, lin.bias, x.abs().amax(0))(x) if kernels.int8_available("cpu") else plain
+            assert err(ref) <= err(rows), (err(ref), err(rows))
+
+
+def test_q4_1_blocks_dequantise_as_gguf_and_beat_min_max():
+    """`quantize_q4_1` writes the GGUF's Q4_1 layout (gguf-py dequantises it to d * q + m), and its
+    searched span is nearer the weights in squared error than ggml's min-to-max span, block by block
+    never farther."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g)
+    w[:, 7] *= 12  # outliers in some blocks
+    qs, d, m = gguf.quantize_q4_1(w)
+    assert qs.dtype == torch.uint8 and qs.shape == (48, 128) and d.dtype == m.dtype == torch.float16 and d.shape == (48, 8)
+    back = gguf._dequantize(qs, d, m)
+    blocks = lambda t: t.reshape(48, 8, 32)
+    err = (blocks(back) - blocks(w)).square().sum(-1)
+    qs0, d0, m0 = gguf.quantize_q4_1(w, grid=1)  # the min-to-max span alone
+    err0 = (blocks(gguf._dequantize(qs0, d0, m0)) - blocks(w)).square().sum(-1)
+    assert bool((err <= err0).all()) and float(err.sum()) < 0.95 * float(err0.sum())
+    raw = np.concatenate([d.numpy().view(np.uint8).reshape(48, 8, 2), m.numpy().view(np.uint8).reshape(48, 8, 2),
+                          qs.numpy().reshape(48, 8, 16)], -1).reshape(48, -1)
+    from gguf import GGMLQuantizationType, quants
+
+    assert np.array_equal(quants.dequantize(raw, GGMLQuantizationType.Q4_1), back.numpy())

@@ -15,7 +15,7 @@ from torch import nn
 
 from entmtp.model import decoder, gguf
 from entmtp.model.ext import ISA_CODES
-from entmtp.model.gguf import GGUFLinear, Q8BlockLinear
+from entmtp.model.gguf import GGUFLinear, BlockLinear
 from entmtp.model.kernels import Int8RowLinear, PackedLinear, pack_linears, use_tree_attention
 
 
@@ -40,7 +40,7 @@ def serve(model: nn.Module, kernels: str, gguf_path: str | Path | None) -> nn.Mo
 def is_packed(module: nn.Module) -> bool:
     """Whether any linear under `module` computes with this project's CPU kernels (oneDNN packed,
     int8 rows, GGUF blocks or Q8 blocks)."""
-    return any(isinstance(m, (PackedLinear, Int8RowLinear, GGUFLinear, Q8BlockLinear)) for m in module.modules())
+    return any(isinstance(m, (PackedLinear, Int8RowLinear, GGUFLinear, BlockLinear)) for m in module.modules())
 
 
 def label(model: nn.Module) -> str:
@@ -65,7 +65,7 @@ def set_isa(model: nn.Module, isa: str) -> None:
     """Compute `model`'s Q8 products on instruction-set path `isa` (one `ext.isas()` lists): every
     GGUF layer and the fused layer stack. The results are the same bits on every path."""
     for m in model.modules():
-        if isinstance(m, (GGUFLinear, Q8BlockLinear)):
+        if isinstance(m, (GGUFLinear, BlockLinear)):
             m.isa = isa
     stack = model.__dict__.get("_entmtp_stack")
     if stack is not None:

@@ -74,7 +74,7 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
 
 
 def served_heads(model, heads: DraftHeads) -> DraftHeads:
-    """Bound heads as `model` serves them: packed where the model is (Q8 blocks, their smoothing
+    """Bound heads as `model` serves them: packed where the model is (GGUF blocks, their smoothing
     set from `_heads_sample`), else as they are. Again after `set_draft_vocab`."""
     if not serve.is_packed(model):
         return heads

@@ -59,7 +59,7 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
 def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
           force: Forcer | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """`top1_logits`, and the tokens (depth - d,) long the path went on through."""
-    fast = heads.top1_on_blocks(feature, path, depth, force)  # Q8-block heads on a CPU: one extension call, the same bits
+    fast = heads.top1_on_blocks(feature, path, depth, force)  # block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
     h = feature[None]  # (1, H)

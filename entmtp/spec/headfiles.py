@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from entmtp.model import gguf
 from entmtp.spec.heads import DraftHeads, HeadsError, HydraHeads, MedusaHeads, note_provenance
 
 FORMAT = "entmtp-heads"
@@ -22,7 +23,17 @@ WEIGHTS_FILE = "heads.safetensors"
 
 
 def build_heads(cfg: dict[str, Any], base_config: Any = None) -> DraftHeads:
-    """Heads from a config dict as written by `config_dict()` (our format)."""
+    """Heads from a config dict as written by `config_dict()` (our format). `blocks` (optional,
+    default Q8_0) is the GGUF block kind their linears are served in on a CPU (`DraftHeads.pack`)."""
+    blocks = cfg.get("blocks", "q8_0")
+    if blocks not in gguf.HEAD_BLOCKS:
+        raise HeadsError(f"heads config: unknown blocks {blocks!r} (expected one of {', '.join(gguf.HEAD_BLOCKS)})")
+    heads = _build(cfg, base_config)
+    heads.blocks = blocks
+    return heads
+
+
+def _build(cfg: dict[str, Any], base_config: Any) -> DraftHeads:
     kind = cfg.get("kind")
     try:
         if kind == "hydra":

@@ -73,9 +73,10 @@ class DraftHeads(nn.Module):
         self._base: dict[str, Any] = {}
         self._lm_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._lm_packed: dict[int, nn.Module] | None = None  # set by pack()
-        self._chain = None  # set by pack() on Q8 blocks: the extension's top-1 chain (`top1_on_blocks`)
+        self._chain = None  # set by pack() on GGUF blocks: the extension's top-1 chain (`top1_on_blocks`)
         self.compute_dtype: torch.dtype | None = None  # set by pack(): the heads' activations
-        self.numerics = "float32"  # set by pack(): how the heads compute (int8-rows, packed-bfloat16, ...)
+        self.numerics = "float32"  # set by pack(): how the heads compute (q4_1-blocks, int8-rows, packed-bfloat16, ...)
+        self.blocks = "q8_0"  # the GGUF block kind pack() serves the linears in where the extension does (heads.json "blocks")
         self._embed_probe: tuple[Path, torch.Tensor, torch.Tensor] | None = None  # set by load_heads (Hydra)
 
     # -- binding to a base model -------------------------------------------------------------
@@ -153,7 +154,10 @@ class DraftHeads(nn.Module):
         return F.linear(x, *self._lm_weights(i))
 
     def pack(self, sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DraftHeads":
-        """Inference on a CPU: every head linear in row-wise int8 (`kernels.Int8RowLinear`).
+        """Inference on a CPU: every head linear in GGUF blocks (`gguf.BlockLinear`, Q8 inputs;
+        the ResBlocks' weights of kind `self.blocks`, Q4_1 or Q8_0, the LM head's Q8_0) where the
+        extension serves, else in row-wise int8 (`kernels.Int8RowLinear`). Once per bound heads:
+        packing replaces their float linears.
 
         Drafts are proposals that verification checks against the float32 base model, so their
         precision never reaches the output. Int8 streams a quarter of float32's bytes (the 4-head
@@ -175,30 +179,45 @@ class DraftHeads(nn.Module):
         if int8 and sample is not None:
             seen = self._input_absmax(*sample)
 
-        def quantized(weight, bias, absmax):
+        # A widened ResBlock's two linears read the same input: on blocks they share one smoothing,
+        # set from both weights, so that both quantise the input alike and the heads' chain runs
+        # them as one product (`HeadChain`: one call, each output computed alone, the same bits)
+        pairs: dict[nn.Module, torch.Tensor] = {}
+        if blocks:
+            for i in range(self.num_heads):
+                for b in self.head_blocks(i):
+                    if isinstance(b.res_connection, nn.Linear):
+                        both = torch.cat([b.linear.weight, b.res_connection.weight])
+                        pairs[b.linear] = pairs[b.res_connection] = both
+                        if b.linear in seen and b.res_connection in seen:
+                            seen[b.linear] = seen[b.res_connection] = torch.maximum(seen[b.linear], seen[b.res_connection])
+
+        def quantized(weight, bias, absmax, kind=self.blocks, smooth_from=None):
             if blocks:
-                return gguf.Q8BlockLinear(weight, bias, None if absmax is None else kernels.smooth_factors(weight, absmax))
+                smooth = None if absmax is None else kernels.smooth_factors(weight if smooth_from is None else smooth_from, absmax)
+                return gguf.BlockLinear(weight, bias, smooth, kind=kind)
             return kernels.Int8RowLinear(weight, bias, absmax)
 
         for name, child in self.named_children():
             if name == "prefix_embeding_layer":  # Hydra++'s prefix layer reads float32 base states
                 kernels.pack_linears(child)
             elif int8:
-                kernels.replace_linears(child, lambda lin: quantized(lin.weight, lin.bias, seen.get(lin)))
+                kernels.replace_linears(child, lambda lin: quantized(lin.weight, lin.bias, seen.get(lin), smooth_from=pairs.get(lin)))
             else:
                 child.to(dtype)
                 kernels.pack_linears(child)
         self.compute_dtype = dtype
         if blocks:
-            self.numerics = "q8-blocks" + ("-smoothed" if seen else "")
+            self.numerics = ("q8" if self.blocks == "q8_0" else self.blocks) + "-blocks" + ("-smoothed" if seen else "")
         else:
             self.numerics = ("int8-rows" + ("-smoothed" if seen else "")) if int8 else f"packed-{str(dtype).removeprefix('torch.')}"
         self._lm_packed = {}
         for i in range(self.num_heads):
             if self._lm_key(i) not in self._lm_packed:
                 weight, bias = self._lm_weights(i)
-                if int8:
-                    self._lm_packed[self._lm_key(i)] = quantized(weight, bias, seen.get(("lm", self._lm_key(i))))
+                if int8:  # the LM head in Q8_0 whatever `blocks`: the base model's tied head is Q8_0 (its rows
+                    # exact there), and in Q4_1 the drafts lost 1-2% of their acceptance (docs/kernels.md)
+                    self._lm_packed[self._lm_key(i)] = quantized(weight, bias, seen.get(("lm", self._lm_key(i))), "q8_0")
                 else:
                     bias = None if bias is None else bias.to(dtype)
                     self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
@@ -207,9 +226,9 @@ class DraftHeads(nn.Module):
         return self
 
     def _chain_on_blocks(self):
-        """The extension's `HeadChain` over these heads' Q8 blocks (the same operations as the
+        """The extension's `HeadChain` over these heads' blocks (the same operations as the
         modules, without the Python between them), or None where some head is not made of
-        Q8-block ResBlocks or the embedding is not float32."""
+        block-linear ResBlocks or the embedding is not float32."""
         embed = self._base["embed"].weight.detach() if self.path_dependent else torch.empty(0)
         if embed.dtype != torch.float32 or not embed.is_contiguous():
             return None
@@ -217,10 +236,11 @@ class DraftHeads(nn.Module):
 
         def parts(lin) -> list[torch.Tensor]:
             if isinstance(lin, nn.Identity):
-                return [empty] * 4
-            if not isinstance(lin, gguf.Q8BlockLinear):
+                return [empty] * 5
+            if not isinstance(lin, gguf.BlockLinear):
                 raise TypeError
-            return [lin.qs, lin.d, empty if lin.smooth is None else lin.smooth, empty if lin.bias is None else lin.bias]
+            present = lambda t: empty if t is None else t
+            return [lin.qs, lin.d, present(lin.m), present(lin.smooth), present(lin.bias)]
 
         try:
             heads = [[parts(b.linear) + parts(b.res_connection) for b in self.head_blocks(i)] for i in range(self.num_heads)]
@@ -237,7 +257,7 @@ class DraftHeads(nn.Module):
 
     def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int,
                        force=None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
-        """`drafting.top1_logits` in one extension call where the heads are on Q8 blocks (the same
+        """`drafting.top1_logits` in one extension call where the heads are on GGUF blocks (the same
         bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1, their
         top-1 probabilities and the tokens the path went on through; None elsewhere. `force`:
         `drafting.top1_logits`'s."""
@@ -410,6 +430,7 @@ class HydraHeads(DraftHeads):
             "shared_lm_head": self.shared_lm_head,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
+            "blocks": self.blocks,
         }
 
 
@@ -448,6 +469,7 @@ class MedusaHeads(DraftHeads):
             "shared_lm_head": self.shared_lm_head,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
+            "blocks": self.blocks,
         }
 
 

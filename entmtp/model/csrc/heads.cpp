@@ -1,10 +1,10 @@
-// A draft head's top-1 chain in one call: for Hydra or Medusa heads whose linears are Q8_0 blocks
-// (`gguf.Q8BlockLinear`), depth after depth, the head's ResBlocks, its LM head over the draft
+// A draft head's top-1 chain in one call: for Hydra or Medusa heads whose linears are GGUF blocks
+// (`gguf.BlockLinear`, Q4_1 or Q8_0), depth after depth, the head's ResBlocks, its LM head over the draft
 // vocabulary, the top-1 token and its probability, the token appended to the path the next head
 // reads.
 //
 // Every elementwise step is the ATen operation the Python modules run (the input smoothing, the
-// bias, SiLU, the residual, softmax and its maximum) and every product the same Q8 block kernel,
+// bias, SiLU, the residual, softmax and its maximum) and every product the same block kernel,
 // so the chain computes the very bits `drafting.top1_logits` computes through the modules, and a
 // bank's traces (the modules over hundreds of positions at once: each row alone in the kernel)
 // stay exact. What goes is the Python between the operations: a few hundred microseconds a step.
@@ -14,7 +14,9 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
@@ -28,15 +30,48 @@ bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 }  // namespace
 
+// A chain's activations are one contiguous float32 row: its elementwise products and sums are
+// written as loops here (one IEEE operation an element, as ATen's mul and add round them: the
+// same bits) instead of an ATen call each, whose dispatch and allocation cost more than the
+// arithmetic at 576 elements.
+static bool one_row(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == 1; }
+
 at::Tensor HeadChain::Linear::operator()(const at::Tensor& x, int64_t isa) const {
-  // Q8BlockLinear.forward: x * (1 / smooth), the Q8 product, + bias
-  auto y = q8_0_linear(present(inv_smooth) ? at::mul(x, inv_smooth) : x, qs, d, out, kQ8Always, isa);
-  return present(bias) ? at::add(y, bias) : y;
+  // BlockLinear.forward: x * (1 / smooth), the product on Q8 inputs, + bias
+  const bool row = one_row(x);
+  at::Tensor xs = x;
+  if (present(inv_smooth)) {
+    if (row) {
+      xs = at::empty_like(x);
+      const float *a = x.data_ptr<float>(), *s = inv_smooth.data_ptr<float>();
+      float* o = xs.data_ptr<float>();
+      for (int64_t k = 0, n = x.numel(); k < n; ++k) o[k] = a[k] * s[k];
+    } else {
+      xs = at::mul(x, inv_smooth);
+    }
+  }
+  auto y = present(m) ? q4_1_linear(xs, qs, d, m, out, kQ8Always, isa) : q8_0_linear(xs, qs, d, out, kQ8Always, isa);
+  if (!present(bias)) return y;
+  if (!row || !one_row(y)) return at::add(y, bias);
+  float* yp = y.data_ptr<float>();  // a fresh output: the sum in place
+  const float* b = bias.data_ptr<float>();
+  for (int64_t k = 0; k < out; ++k) yp[k] = yp[k] + b[k];
+  return y;
+}
+
+// r + s elementwise (at::add's sums) into a new row.
+static at::Tensor add_rows(const at::Tensor& r, const at::Tensor& s) {
+  if (!one_row(r) || !one_row(s)) return at::add(r, s);
+  auto o = at::empty_like(r);
+  const float *a = r.data_ptr<float>(), *b = s.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  for (int64_t k = 0, n = r.numel(); k < n; ++k) op[k] = a[k] + b[k];
+  return o;
 }
 
 HeadChain::Linear HeadChain::linear_of(const std::vector<at::Tensor>& t, int64_t at_, int64_t out) {
-  TORCH_CHECK(static_cast<int64_t>(t.size()) >= at_ + 4, "HeadChain: a linear is (qs, d, 1/smooth, bias)");
-  return {t[at_], t[at_ + 1], t[at_ + 2], t[at_ + 3], out};
+  TORCH_CHECK(static_cast<int64_t>(t.size()) >= at_ + 5, "HeadChain: a linear is (qs, d, m, 1/smooth, bias)");
+  return {t[at_], t[at_ + 1], t[at_ + 2], t[at_ + 3], t[at_ + 4], out};
 }
 
 HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads,
@@ -51,8 +86,18 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
   for (size_t i = 0; i < heads.size(); ++i) {
     std::vector<Block> blocks;
     for (const auto& b : heads[i]) {
-      TORCH_CHECK(b.size() == 8, "HeadChain: a ResBlock is its linear and its residual linear, 4 tensors each");
-      blocks.push_back({linear_of(b, 0, hidden), linear_of(b, 4, hidden)});
+      TORCH_CHECK(b.size() == 10, "HeadChain: a ResBlock is its linear and its residual linear, 5 tensors each");
+      Block block{linear_of(b, 0, hidden), linear_of(b, 5, hidden), {}, false};
+      const auto& l = block.lin;
+      const auto& r = block.res;
+      if (present(r.qs) && present(l.m) == present(r.m) && present(l.bias) == present(r.bias) &&
+          present(l.inv_smooth) == present(r.inv_smooth) && (!present(l.inv_smooth) || at::equal(l.inv_smooth, r.inv_smooth)) &&
+          l.qs.size(0) * 16 == hidden) {  // whole groups of 16 outputs: the packed blocks stack along the first dimension
+        auto cat2 = [](const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; };
+        block.both = {cat2(l.qs, r.qs), cat2(l.d, r.d), cat2(l.m, r.m), l.inv_smooth, cat2(l.bias, r.bias), 2 * hidden};
+        block.fused = true;
+      }
+      blocks.push_back(std::move(block));
     }
     TORCH_CHECK(!blocks.empty(), "HeadChain: a head has at least one ResBlock");
     this->heads.push_back(std::move(blocks));
@@ -63,8 +108,13 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
 at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
   for (const auto& b : heads[i]) {
     // ResBlock.forward: res_connection(x) + silu(linear(x)), the residual the identity where absent
+    if (b.fused) {
+      const auto y = b.both(x, isa);  // (1, 2 hidden): linear's outputs, then the residual's
+      x = add_rows(y.narrow(1, hidden, hidden), at::silu(y.narrow(1, 0, hidden)));
+      continue;
+    }
     auto r = present(b.res.qs) ? b.res(x, isa) : x;
-    x = at::add(r, at::silu(b.lin(x, isa)));
+    x = add_rows(r, at::silu(b.lin(x, isa)));
   }
   return x;
 }

@@ -1,4 +1,4 @@
-// Draft heads on Q8_0 blocks: a Hydra or Medusa head's top-1 chain in one call (heads.cpp).
+// Draft heads on GGUF blocks (Q4_1 or Q8_0): a Hydra or Medusa head's top-1 chain in one call (heads.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -10,16 +10,20 @@
 int64_t argmax_row(const float* p, int64_t n);
 
 struct HeadChain {
-  // One `gguf.Q8BlockLinear`: packed Q8_0 values and scales, the inverse smoothing (empty: none),
-  // the bias (empty: none), `out` outputs.
+  // One `gguf.BlockLinear`: packed values and scales, the Q4_1 minimums (empty: Q8_0 blocks), the
+  // inverse smoothing (empty: none), the bias (empty: none), `out` outputs.
   struct Linear {
-    at::Tensor qs, d, inv_smooth, bias;
+    at::Tensor qs, d, m, inv_smooth, bias;
     int64_t out;
     at::Tensor operator()(const at::Tensor& x, int64_t isa) const;
   };
-  // A ResBlock: res(x) + silu(lin(x)); `res.qs` empty for the identity.
+  // A ResBlock: res(x) + silu(lin(x)); `res.qs` empty for the identity. Where both linears read
+  // the input alike (the same smoothing, the same block kind), `both` holds their blocks side by
+  // side (lin's outputs, then res's) and runs them as one product: each output computed alone, the
+  // same bits as two calls.
   struct Block {
-    Linear lin, res;
+    Linear lin, res, both;
+    bool fused = false;
   };
 
   std::vector<std::vector<Block>> heads;
@@ -28,8 +32,8 @@ struct HeadChain {
   at::Tensor draft_vocab;  // int64 [K]: draft index -> token id; empty: the LM head covers the whole vocabulary
   int64_t hidden, isa;
 
-  // heads[i]: head i's ResBlocks, each 8 tensors (its linear's qs, d, 1/smooth, bias, then its
-  // residual's, empty tensors where absent); lm_heads[i]: head i's LM head (qs, d, 1/smooth, bias).
+  // heads[i]: head i's ResBlocks, each 10 tensors (its linear's qs, d, m, 1/smooth, bias, then its
+  // residual's, empty tensors where absent); lm_heads[i]: head i's LM head (qs, d, m, 1/smooth, bias).
   HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads, at::Tensor embed,
             at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa);
 

@@ -367,7 +367,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> None:
-    from entmtp.tools.evalheads import evaluate, record_in
+    from entmtp.tools.evalheads import beside_before, evaluate, record_in
     from entmtp.runtime.runtime import default_heads_dir
     from entmtp.runtime.weights import cache_root
 
@@ -391,6 +391,11 @@ def cmd_eval_heads(args: argparse.Namespace) -> None:
             raise UsageError(f"--record writes into heads in our format: {', '.join(missing)} not found")
     report = evaluate(rt, kinds, per_task, args.max_new_tokens, _work_dir(args), cache_root(model_config(args)),
                       progress=_progress, phrasebook=args.phrasebook)
+    for kind, folder in folders.items():  # beside the figures the heads recorded for the form they were served in before
+        before = json.loads((folder / "heads.json").read_text()).get("provenance", {}).get("served_before") \
+            if (folder / "heads.json").is_file() else None
+        if before:
+            print(beside_before(report, kind, before), file=sys.stderr)
     if args.record:
         for kind, folder in folders.items():
             print(f"recorded in {record_in(folder, kind, report, rt.arithmetic or 'float32')}", file=sys.stderr)
@@ -532,7 +537,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
             heads = rt.heads("hydra")
         except LoadError:
             heads = None  # a model without Hydra heads: no chain to time
-        result["chain"] = chain_costs(rt.engine, heads, reps=max(cfg.reps, 25), context=cfg.context) if heads is not None else None
+        result["chain"] = None if heads is None else chain_costs(rt.engine, heads, reps=max(cfg.reps, 25), context=cfg.context,
+                                                                 book=rt.phrasebook(), rule=rt.phrasebook_rule())
     finally:
         torch.set_num_threads(threads)
     if not args.chain_only:

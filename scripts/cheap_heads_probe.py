@@ -38,6 +38,7 @@ from entmtp.machine import hardware  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime, served_heads  # noqa: E402
 from entmtp.runtime.weights import cache_root  # noqa: E402
 from entmtp.spec.headfiles import load_heads  # noqa: E402
+from entmtp.spec.phrasebook import Reranker  # noqa: E402
 from entmtp.tools import evalheads  # noqa: E402
 
 
@@ -52,12 +53,17 @@ def main() -> None:
     ap.add_argument("--variants", default="q8_0:8192,q4_1:8192,q4_1:4096,q4_1:2048,q4_1:1024",
                     help="served forms to score, each BLOCKS:DRAFT_VOCAB_SIZE")
     ap.add_argument("--no-accept", action="store_true", help="time the chains only")
+    ap.add_argument("--heads", default=None, help="the Hydra heads folder whose weights and draft vocabulary the variants "
+                    "re-serve (default: the shipped heads); the shipped reranker drafts every variant (the same weights)")
     ap.add_argument("--out", default=None, help="also write the JSON record here")
     args = ap.parse_args()
 
     rt = load_runtime()
-    heads = rt.heads("hydra")
+    folder = Path(args.heads) if args.heads else default_heads_dir(rt.name, "hydra")
+    heads = load_heads(folder, rt.model.config)
     ranked = ranked_vocab(rt, heads.draft_vocab)
+    reranker = Reranker.load(default_heads_dir(rt.name, "hydra") / "reranker.json")
+    rt.phrasebook_rule = lambda: reranker  # the variants re-serve one set of weights: its reranker for all
     between = calibrate.forward_between(rt.engine, 192)
     items = {name: [rt.encode(it["prompt"]) for it in eval_set(name, n)] for name, n in EVAL_HEADS_PROMPTS}
     store = evalheads.eval_store(rt, cache_root())
@@ -66,7 +72,7 @@ def main() -> None:
     rows = []
     for variant in args.variants.split(","):
         blocks, size = variant.split(":")
-        heads = load_heads(default_heads_dir(rt.name, "hydra"), rt.model.config).bind(rt.model)  # float weights again
+        heads = load_heads(folder, rt.model.config).bind(rt.model)  # float weights again
         heads.blocks = blocks
         heads.set_draft_vocab(torch.tensor(sorted(ranked[: int(size)])))
         rt._heads["hydra"] = served_heads(rt.model, heads)  # packed in the new form, as `resolve_heads` serves them

@@ -4,7 +4,8 @@
 
 The old engine runs from a git worktree of `<rev>` with its own build of the C++ kernels (its own
 TORCH_EXTENSIONS_DIR), in a process of its own; this checkout's runs in another. Both read this
-checkout's banks (same trees, same policies, same fit), so what differs is the code alone. Per
+checkout's banks (same trees, same policies, same fit), so what differs is the code alone; with
+`--own-banks` each side reads its own commit's banks (and heads), each fitted on this machine. Per
 prompt the two take turns, the side going first swapped every prompt, after an untimed warm-up
 of each; a method's figure is its new tokens over its decode time (prefill excluded) per task.
 Both sides' token ids must be equal (the same served arithmetic) and every method's equal to
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--banks", default=str(ROOT / "banks"), help="the banks both sides read (default: this checkout's)")
+    ap.add_argument("--own-banks", action="store_true",
+                    help="each side reads its own commit's banks (and heads), each fitted here: the whole system against the whole system")
     ap.add_argument("--out", type=Path, help="also write the record here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), rev.stdout.strip()], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            sides = {"old": Side(tree, str(Path(tmp) / "ext"), Path(args.banks), args.max_new_tokens),
+            sides = {"old": Side(tree, str(Path(tmp) / "ext"), tree / "banks" if args.own_banks else Path(args.banks), args.max_new_tokens),
                      "new": Side(ROOT, os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
                                  Path(args.banks), args.max_new_tokens)}
             for side in sides.values():  # untimed: kernels, caches, each tree size
@@ -159,7 +162,7 @@ def main() -> None:
             row["new_over_old"] = round(row["new_tokens_per_s"] / row["old_tokens_per_s"], 3)
             rows.append(row)
     record = {"hardware": hardware(), "cpu_flags": cpu_features(), "cpu": cpu_id(), "old": args.old, "old_commit": rev.stdout.strip(), "new_commit": head,
-              "date": datetime.date.today().isoformat(), "banks": _shown(args.banks), "prompts": f"calib split, {args.prompts_per_task} a task",
+              "date": datetime.date.today().isoformat(), "banks": "each side its own commit's" if args.own_banks else _shown(args.banks), "prompts": f"calib split, {args.prompts_per_task} a task",
               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "lossless": True, "same_tokens": True, "rows": rows,
               "command": "python scripts/compare_engines.py " + " ".join(sys.argv[1:])}
     for row in rows:

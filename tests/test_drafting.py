@@ -187,3 +187,37 @@ def test_a_token_from_outside_the_draft_vocabulary_goes_first_on_the_spine(model
             assert tokens[nodes[(0, 0, 0, 0)]] == 16  # depth 3's spine node: the outside token 16 first
             assert tokens[nodes[(1,)]] == plain[nodes[(1,)]] and tokens[nodes[(0,)]] == plain[nodes[(0,)]]
             assert isinstance(chain, Chain)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_chain_that_settles_stops_where_reading_head_by_head_stops(model, packed):
+    """`top1_chain(..., settle=(p0, t, strict))` runs the heads up to the first whose path value
+    p0 * p_1 * ... * p_d is at most t (below t where strict), in one call, on Q4_1 blocks (the
+    extension stops itself) and on the modules: the same chain as reading one head at a time and
+    stopping there, as the engine's policy did."""
+    from entmtp.spec.policy import path_value
+
+    heads = random_heads(model, "hydra")
+    heads.blocks = "q4_1"
+    if packed:
+        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+        assert heads._chain is not None
+    stops = []
+    with torch.inference_mode():
+        for root, feature in features(model, heads, 6):
+            whole = top1_chain(heads, feature, root, 4)
+            for p0 in (1.0, 0.6, 0.2):
+                values = [path_value(p0, whole[1][:d]) for d in range(1, 5)]
+                for t in (values[0], values[1], values[2], 0.0, 2.0):
+                    for strict in (False, True):
+                        want = next((d for d in range(1, 5) if (values[d - 1] < t if strict else values[d - 1] <= t)), 4)
+                        got = top1_chain(heads, feature, root, 4, None, None, (p0, t, strict))
+                        assert got[1] == whole[1][:want] and got.tokens == whole.tokens[:want]
+                        assert all(torch.equal(a, b) for a, b in zip(got[0], whole[0][:want]))
+                        # resumed from a one-head prefix, the value goes on from the prefix's
+                        one = top1_chain(heads, feature, root, 1)
+                        again = top1_chain(heads, feature, root, 4, one, None, (p0, t, strict))
+                        assert again[1] == whole[1][:max(1, want)]
+                        stops.append(want)
+    assert {1, 2, 4} <= set(stops)  # the bounds stopped the chain at several depths

@@ -172,12 +172,13 @@ def forward_between(engine: Engine, context: int = 192) -> Callable[[], None]:
 def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Phrasebook | None = None,
                   rule: Rule | None = None, between: Callable[[], None] | None = None) -> list[float]:
     """Median ms of the heads' top-1 chain to each depth 0..depth (what the path-value feature costs),
-    run as the engine reads it: head by head (`drafting.top1_chain` with the chain so far), each
-    depth's time the sum to there, each chain after `between()` (untimed; `forward_between`: a
-    base-model step, as in a decode loop, where the heads' weights then come partly from memory:
-    back to back they stay cached, on the 2-core AMD EPYC ~0.2 ms a head against ~0.5 in the
-    loop). With `book`, asking it at every node as drafting does (under `rule` where it is a
-    reranker, else a share rule that always asks), over a text of random tokens."""
+    run as the engine reads it: in one call to that depth (`drafting.top1_chain`; the engine's
+    policy reads its heads in one call that stops itself where the value settles the choice), each
+    call after `between()` (untimed; `forward_between`: a base-model step, as in a decode loop,
+    where the heads' weights then come partly from memory: back to back they stay cached, on the
+    2-core AMD EPYC ~0.2 ms a head against ~0.5 in the loop). With `book`, asking it at every node
+    as drafting does (under `rule` where it is a reranker, else a share rule that always asks),
+    over a text of random tokens."""
     if heads is None or depth == 0:
         return [0.0] * (depth + 1)
     w = heads._base["lm_head"].weight
@@ -189,18 +190,15 @@ def measure_chain(heads: DraftHeads | None, depth: int, reps: int = 15, book: Ph
         force = forcer(text, timing_rule(rule), heads.draft_vocab)
     times: list[list[float]] = [[] for _ in range(depth + 1)]
     for rep in range(reps + 2):
-        if between is not None:
-            between()
-        chain: tuple[list, list] = ([], [])
-        spent = 0.0
         for d in range(1, depth + 1):
+            if between is not None:
+                between()
             t0 = time.perf_counter()
-            chain = drafting.top1_chain(heads, feature, 1, d, chain if chain[0] else None, force)
+            drafting.top1_chain(heads, feature, 1, d, None, force)
             if w.device.type == "cuda":
                 torch.cuda.synchronize(w.device)
-            spent += (time.perf_counter() - t0) * 1e3
             if rep >= 2:
-                times[d].append(spent)
+                times[d].append((time.perf_counter() - t0) * 1e3)
     return [0.0] + [statistics.median(t) for t in times[1:]]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from entmtp.spec.heads import DraftHeads
 from entmtp.spec.phrasebook import Forcer, force_row, spine_first
+from entmtp.spec.policy import path_value
 from entmtp.spec.topology import Tree
 
 
@@ -27,7 +28,7 @@ class Chain(tuple):
 
 def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
                prefix: tuple[list[torch.Tensor], list[float]] | None = None,
-               force: Forcer | None = None) -> Chain:
+               force: Forcer | None = None, settle: tuple[float, float, bool] | None = None) -> Chain:
     """Run heads 0..depth-1 along the top-1 path from the root.
 
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
@@ -36,14 +37,20 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     its tokens picked again). `force` (a phrasebook's, `phrasebook.forcer`) may put other tokens
     first at each node: that row's logits then rank them first (`phrasebook.force_row`), the path
     goes on through the first, and p_d is the probability it gives for that token (a reranker's),
-    else the head's own top-1 probability.
+    else the head's own top-1 probability. `settle` = (p0, t, strict): stop after the first head
+    whose path value p0 * p_1 * ... * p_d (`policy.path_value`, over the prefix's heads too) is at
+    most t (below t where strict), as the engine's head-by-head reading would (`Chooser.settle_at`).
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
+    if settle is not None:  # the value through the prefix's heads, which the chain goes on multiplying
+        settle = (path_value(settle[0], probs), settle[1], settle[2])
+        if probs and (settle[0] < settle[1] if settle[2] else settle[0] <= settle[1]):
+            depth = len(probs)  # the prefix has settled it: no further head
     tokens = getattr(prefix, "tokens", None)
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
     path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
-    more, p, picked = _top1(heads, feature, path, depth, force)
+    more, p, picked = _top1(heads, feature, path, depth, force, settle)
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
@@ -57,11 +64,14 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
 
 
 def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
-          force: Forcer | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """`top1_logits`, and the tokens (depth - d,) long the path went on through."""
-    fast = heads.top1_on_blocks(feature, path, depth, force)  # block heads on a CPU: one extension call, the same bits
+          force: Forcer | None = None, settle: tuple[float, float, bool] | None = None
+          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """`top1_logits`, and the tokens (depth - d,) long the path went on through; with `settle`
+    (g so far, t, strict), only up to the first head that brings g to at most t (below t if strict)."""
+    fast = heads.top1_on_blocks(feature, path, depth, force, settle)  # block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
+    g = settle[0] if settle is not None else None
     h = feature[None]  # (1, H)
     logits, probs, tokens = [], [], []
     for d in range(path.shape[1] - 1, depth):
@@ -79,6 +89,10 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: i
         probs.append(p)
         tokens.append(token)
         path = torch.cat([path, tokens[-1].view(1, 1)], dim=1)
+        if g is not None:
+            g *= float(p)
+            if g < settle[1] if settle[2] else g <= settle[1]:
+                break
     if not probs:
         return logits, torch.zeros(0, device=feature.device), torch.zeros(0, dtype=torch.long, device=feature.device)
     return logits, torch.stack(probs), torch.cat(tokens)

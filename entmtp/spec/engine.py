@@ -179,6 +179,7 @@ class Engine:
         rng = torch.Generator().manual_seed(gen.seed)
         choose = strategy.policy.chooser()
         settled = getattr(choose, "settled", None)
+        settle_at = getattr(choose, "settle_at", None)  # `settled` as a bound the heads' chain stops at itself
         ctx = heads.new_context() if heads is not None else None
         text = strategy.book.context(prompt_ids) if strategy.book is not None and heads is not None else None
         force = forcer(text, strategy.rule, heads.draft_vocab) if text is not None else None
@@ -211,6 +212,9 @@ class Engine:
             if feature_name == "path_value" and heads is not None:
                 if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = chained = drafts.top1_chain(heads, feature, root, feature_depth)
+                elif settle_at is not None:  # the heads up to the first whose value settles the choice, in one call
+                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, feature_depth, None, force,
+                                                                       (s, *settle_at()))
                 else:  # head by head, stopping where the value settles the choice (each deeper g is at most it)
                     for d in range(1, feature_depth + 1):
                         chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, d, chained, force)

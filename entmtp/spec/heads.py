@@ -255,19 +255,20 @@ class DraftHeads(nn.Module):
         """Head i's ResBlocks, in order."""
         raise NotImplementedError
 
-    def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int,
-                       force=None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+    def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int, force=None,
+                       settle: tuple[float, float, bool] | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
         """`drafting.top1_logits` in one extension call where the heads are on GGUF blocks (the same
         bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1, their
         top-1 probabilities and the tokens the path went on through; None elsewhere. `force`:
-        `drafting.top1_logits`'s."""
+        `drafting.top1_logits`'s; `settle`: `drafting._top1`'s (the chain stops itself)."""
         if self._chain is None or feature.device.type != "cpu":
             return None
+        stop = {} if settle is None else {"p0": settle[0], "settle": settle[1], "strict": settle[2]}
         native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
         if native is not None:
-            logits, probs, tokens = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native())
+            logits, probs, tokens = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native(), **stop)
         else:
-            logits, probs, tokens = self._chain.chain(feature.float(), path[0].tolist(), depth, force)
+            logits, probs, tokens = self._chain.chain(feature.float(), path[0].tolist(), depth, force, **stop)
         return list(logits.unbind(0)), probs, tokens
 
     def _whole_blocks(self) -> bool:

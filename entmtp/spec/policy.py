@@ -12,7 +12,9 @@ import torch
 Chooser = Callable[[float], int]
 """feature value -> tree index; the policy's state (τ's current tree) lives inside. A chooser may
 carry `settled(value)`: whether every value at most `value` picks the tree `value` picks (so a
-path value read through fewer heads, an upper bound of the deeper ones, already decides)."""
+path value read through fewer heads, an upper bound of the deeper ones, already decides), and
+`settle_at()`: the same test as a bound, (t, strict): settled where value <= t (< t if strict),
+which the heads' chain applies itself (`drafting.top1_chain`'s `settle`: one call, not one a head)."""
 
 
 def confidence(z: torch.Tensor) -> tuple[float, float]:
@@ -65,6 +67,7 @@ class StaticPolicy:
             return self.tree
 
         choose.settled = lambda s: True
+        choose.settle_at = lambda: (math.inf, False)  # `settled` as a bound: s <= inf
         return choose
 
 
@@ -93,6 +96,7 @@ class LadderPolicy:
             return self.trees[bisect.bisect_right(self.thresholds, s)]
 
         choose.settled = lambda s: not self.thresholds or s < self.thresholds[0]  # the bottom rung
+        choose.settle_at = lambda: (self.thresholds[0], True) if self.thresholds else (math.inf, False)
         return choose
 
 
@@ -131,6 +135,7 @@ class TauPolicy:
 
         # on T-, any value <= tau_on stays; on T+, any value <= tau_off leaves
         choose.settled = lambda s: s <= (self.tau_off if state["tree"] == self.large else self.tau_on)
+        choose.settle_at = lambda: (self.tau_off if state["tree"] == self.large else self.tau_on, False)
         return choose
 
 

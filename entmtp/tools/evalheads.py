@@ -170,3 +170,27 @@ def record_in(folder: Path, kind: str, report: dict[str, Any], served: str) -> P
         meta["provenance"]["evaluation"]["phrasebook"] = report["phrasebook"][kind]
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return path
+
+
+def beside_before(report: dict[str, Any], kind: str, before: dict[str, Any]) -> str:
+    """A table of the accepted lengths just measured beside those the heads recorded for the form
+    they were served in before (heads.json `provenance.served_before.evaluation`, as `record_in`
+    wrote it), per evaluation set, tree and drafting (heads alone, with the phrasebook): the
+    change in percent. Sets or trees either side lacks are left out."""
+    ev = before.get("evaluation") or {}
+    rows = [f"{kind}: accepted tokens per step now against as served before ({before.get('blocks', '?')} blocks, "
+            f"{before.get('draft_vocab', '?')} draft tokens; recorded {ev.get('date', '?')})",
+            f"{'drafting':<11} {'set':<9} {'tree':<13} {'before':>7} {'now':>7} {'change':>8}"]
+    sources = [("heads", report.get("accepted", {}).get(kind, {}), report.get("small_trees", {}).get(kind, {}), ev)]
+    if kind in report.get("phrasebook", {}) and ev.get("phrasebook"):
+        pb = report["phrasebook"][kind]
+        sources.append(("phrasebook", pb.get("accepted", {}), pb.get("small_trees", {}), ev["phrasebook"]))
+    for label, accepted, small, old in sources:
+        trees = [(ev.get("tree", "hydra"), accepted, old.get("accepted", {}))]
+        trees += [(name, small.get(name, {}), old.get("small_trees", {}).get(name, {})) for name in SMALL_TREES]
+        for tree, now, was in trees:
+            for name, row in now.items():
+                if name in was:
+                    a, b = was[name]["mean_accepted"], row["mean_accepted"]
+                    rows.append(f"{label:<11} {name:<9} {tree:<13} {a:>7.3f} {b:>7.3f} {100 * (b / a - 1):>+7.1f}%")
+    return "\n".join(rows)

@@ -215,32 +215,18 @@ def _chain_bytes(heads) -> tuple[list[int], int]:
 
 
 @torch.inference_mode()
-def chain_costs(engine, heads, reps: int = 25, context: int = 192) -> dict:
-    """The heads' top-1 chain to each depth, as a decode step pays for it: cold (right after a
-    base-model step at `context` tokens, which pushes the heads' weights out of the nearer caches)
-    and warm (chains back to back); each in one call to that depth (`one_call`) and head by head
-    (`read`: the policy's way, one call a head until its choice is settled). Beside: the bytes a
-    chain to that depth reads (its heads' ResBlocks, the LM head once) and streams (the LM head at
-    every depth), and the machine's memory bandwidth (a 256 MB float32 sum, as `floors`)."""
+def chain_costs(engine, heads, reps: int = 25, context: int = 192, book=None, rule=None) -> dict:
+    """The heads' top-1 chain to each depth, in one call as a decode step runs it
+    (`calibrate.measure_chain`): cold (right after a base-model step at `context` tokens, which
+    pushes the heads' weights out of the nearer caches) and warm (chains back to back); with
+    `book`, also cold with the phrasebook asked at every node under `rule` (its reranker), as the
+    banks draft. Beside: the bytes a chain to that depth reads (its heads' ResBlocks, the LM head
+    once) and streams (the LM head at every depth), and the machine's memory bandwidth (a 256 MB
+    float32 sum, as `floors`)."""
     from entmtp.bank.calibrate import forward_between, measure_chain
-    from entmtp.spec import drafting
 
     between = forward_between(engine, context)
-    feature = torch.randn(heads.hidden_size, generator=torch.Generator().manual_seed(0))
     depth = heads.num_heads
-
-    def one_call(cold: bool) -> list[float]:
-        times: list[list[float]] = [[] for _ in range(depth)]
-        for rep in range(reps + 2):
-            for d in range(1, depth + 1):
-                if cold:
-                    between()
-                t0 = time.perf_counter()
-                drafting.top1_chain(heads, feature, 1, d)
-                if rep >= 2:
-                    times[d - 1].append((time.perf_counter() - t0) * 1e3)
-        return [round(statistics.median(t), 3) for t in times]
-
     per_head, lm = _chain_bytes(heads)
     big = torch.ones(64 * 1024 * 1024)
     big.sum()
@@ -251,28 +237,28 @@ def chain_costs(engine, heads, reps: int = 25, context: int = 192) -> dict:
         sums.append(time.perf_counter() - t0)
     bandwidth = big.numel() * 4 / statistics.median(sums) / 1e9
     del big
-    cold, warm = one_call(True), one_call(False)
-    read_cold = measure_chain(heads, depth, reps=reps, between=between)[1:]
-    read_warm = measure_chain(heads, depth, reps=reps)[1:]
+    cold = measure_chain(heads, depth, reps=reps, between=between)
+    warm = measure_chain(heads, depth, reps=reps)
+    booked = measure_chain(heads, depth, reps=reps, book=book, rule=rule, between=between) if book is not None else None
     rows = []
     for d in range(1, depth + 1):
         reads = sum(per_head[:d]) + lm
-        rows.append({"depth": d, "cold_ms": cold[d - 1], "warm_ms": warm[d - 1], "read_cold_ms": round(read_cold[d - 1], 3),
-                     "read_warm_ms": round(read_warm[d - 1], 3), "reads_mb": round(reads / 1e6, 2),
-                     "streams_mb": round((reads + (d - 1) * lm) / 1e6, 2),
-                     "cold_gbs": round(reads / (cold[d - 1] * 1e-3) / 1e9, 1)})
+        rows.append({"depth": d, "cold_ms": round(cold[d], 3), "warm_ms": round(warm[d], 3),
+                     "cold_phrasebook_ms": round(booked[d], 3) if booked else None, "reads_mb": round(reads / 1e6, 2),
+                     "streams_mb": round((reads + (d - 1) * lm) / 1e6, 2), "cold_gbs": round(reads / (cold[d] * 1e-3) / 1e9, 1)})
     return {"heads": heads.numerics, "draft_vocab": int(heads.draft_vocab.numel()) or heads.vocab_size, "context": context,
             "reps": reps, "bandwidth_gbs": round(bandwidth, 1), "rows": rows}
 
 
 def chain_table(result: dict) -> str:
-    """`chain_costs` as text: per depth, cold and warm ms (one call, and head by head), the bytes
+    """`chain_costs` as text: per depth, cold and warm ms (and cold with the phrasebook), the bytes
     read and the rate the cold chain reads them at."""
-    head = f"{'depth':>5} {'cold':>7} {'warm':>7} {'cold read':>10} {'warm read':>10} {'reads MB':>9} {'streams MB':>11} {'cold GB/s':>10}"
-    lines = [f"The heads' top-1 chain ({result['heads']}, {result['draft_vocab']} draft tokens): ms to each depth, cold after a "
-             f"base step at {result['context']} tokens and warm, in one call and head by head (read), medians of {result['reps']}; "
-             f"memory bandwidth here {result['bandwidth_gbs']} GB/s", head, "-" * len(head)]
+    head = f"{'depth':>5} {'cold':>7} {'warm':>7} {'cold+book':>10} {'reads MB':>9} {'streams MB':>11} {'cold GB/s':>10}"
+    lines = [f"The heads' top-1 chain ({result['heads']}, {result['draft_vocab']} draft tokens), one call to each depth: ms cold "
+             f"after a base step at {result['context']} tokens, warm, and cold with the phrasebook's reranker at every node "
+             f"(+book); medians of {result['reps']}; memory bandwidth here {result['bandwidth_gbs']} GB/s", head, "-" * len(head)]
     for r in result["rows"]:
-        lines.append(f"{r['depth']:>5} {r['cold_ms']:>7.3f} {r['warm_ms']:>7.3f} {r['read_cold_ms']:>10.3f} {r['read_warm_ms']:>10.3f} "
+        book = f"{r['cold_phrasebook_ms']:>10.3f}" if r.get("cold_phrasebook_ms") is not None else f"{'-':>10}"
+        lines.append(f"{r['depth']:>5} {r['cold_ms']:>7.3f} {r['warm_ms']:>7.3f} {book} "
                      f"{r['reads_mb']:>9.2f} {r['streams_mb']:>11.2f} {r['cold_gbs']:>10.1f}")
     return "\n".join(lines)

@@ -120,7 +120,7 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
-                                                    c10::optional<Force> force) const {
+                                                    c10::optional<Force> force, double p0, double settle, bool strict) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   TORCH_CHECK(!path.empty() && depth <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
   const bool grounded = present(embed);
@@ -129,6 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
   std::vector<at::Tensor> rows;
   auto probs = at::empty({n}, feature.options());
   auto tokens = at::empty({n}, feature.options().dtype(at::kLong));
+  double g = p0;
   for (int64_t d = first; d < depth; ++d) {
     at::Tensor x = f;
     if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
@@ -167,6 +168,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
     rows.push_back(z);
     path.push_back(token);
     tokens.data_ptr<int64_t>()[d - first] = token;
+    if (p0 >= 0) {  // policy.path_value: g = p0, then g *= p_d (each float32 probability widened exactly)
+      g *= static_cast<double>(probs.data_ptr<float>()[d - first]);
+      if (strict ? g < settle : g <= settle) break;
+    }
+  }
+  const int64_t ran = static_cast<int64_t>(rows.size());
+  if (ran < n) {
+    probs = probs.narrow(0, 0, ran).clone();
+    tokens = tokens.narrow(0, 0, ran).clone();
   }
   auto logits = rows.empty() ? at::empty({0, lm[0].out}, feature.options()) : at::cat(rows, 0);
   return {logits, probs, tokens};

@@ -47,8 +47,12 @@ struct HeadChain {
   // name m draft indices at each node: the j-th's entry becomes the row's maximum + m - j (so
   // they rank first, as `phrasebook.force_row` makes them), the path goes on through the first,
   // and the node's probability is the one it gives where it gives one.
+  // With `p0` >= 0 the chain stops early, after the first head whose path value g = p0 * p_1 * ...
+  // (summed in double, as `policy.path_value` multiplies) has settled the policy's choice: g <=
+  // `settle` (g < `settle` where `strict`): what the engine's head-by-head reading would stop at.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
-                                           c10::optional<Force> force = c10::nullopt) const;
+                                           c10::optional<Force> force = c10::nullopt, double p0 = -1.0,
+                                           double settle = 0.0, bool strict = false) const;
 
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);

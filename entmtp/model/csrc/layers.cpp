@@ -523,16 +523,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
       .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, tokens)",
-           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none())
+           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none(),
+           pybind11::arg("p0") = -1.0, pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false)
       .def(
           "chain_native",
-          [](const HeadChain& c, at::Tensor feature, std::vector<int64_t> path, int64_t depth, const PhraseForcer& forcer) {
+          [](const HeadChain& c, at::Tensor feature, std::vector<int64_t> path, int64_t depth, const PhraseForcer& forcer, double p0,
+             double settle, bool strict) {
             return c.chain(feature, std::move(path), depth,
                            HeadChain::Force([&forcer](const std::vector<int64_t>& p, double head_p, const at::Tensor& row) {
                              return forcer.force(p, head_p, row);
-                           }));
+                           }),
+                           p0, settle, strict);
           },
-          "`chain` with a native phrasebook forcer: no call back into Python at a node");
+          "`chain` with a native phrasebook forcer: no call back into Python at a node",
+          pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("forcer"), pybind11::arg("p0") = -1.0,
+          pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false);
   pybind11::class_<PhraseBook, std::shared_ptr<PhraseBook>>(mod, "PhraseBook")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t>());
   pybind11::class_<PhraseForcer>(mod, "PhraseForcer")

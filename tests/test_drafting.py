@@ -221,3 +221,19 @@ def test_a_chain_that_settles_stops_where_reading_head_by_head_stops(model, pack
                         assert again[1] == whole[1][:max(1, want)]
                         stops.append(want)
     assert {1, 2, 4} <= set(stops)  # the bounds stopped the chain at several depths
+
+
+def test_every_policy_states_its_settle_bound_as_settled_decides():
+    """`Chooser.settle_at()` is `settled` as a bound (value <= t, or < t where strict), in every
+    state of every policy, so the chain that stops itself stops where the policy would have."""
+    from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
+
+    values = [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.9, 1.0]
+    for policy in (StaticPolicy(0), LadderPolicy((0, 1, 2), (0.2, 0.5)), LadderPolicy((0,), ()),
+                   TauPolicy(0, 1, tau_on=0.3, tau_off=0.1), TauPolicy(0, 1, tau_on=0.2, tau_off=0.2)):
+        choose = policy.chooser()
+        for drive in values + values[::-1]:  # walk τ through both of its states
+            t, strict = choose.settle_at()
+            for v in values:
+                assert choose.settled(v) == (v < t if strict else v <= t), (policy, drive, v)
+            choose(drive)

@@ -71,3 +71,29 @@ def test_every_method_equals_generate(rt, task):
         for strategy in entmtp_strategies(rt, task):
             got = collect(rt.engine.generate(ids, strategy, gen)).token_ids
             assert got == ref, (strategy.name, prompt[:60])
+
+
+def test_kernels_times_the_shipped_heads_chain_per_depth(rt, capsys):
+    """`kernels --chain-only` on the default model: the served Hydra heads' chain to each depth,
+    cold after a base step, warm and with the phrasebook, beside the bytes it reads (the shipped
+    form: Q4_1 ResBlocks, a Q8_0 LM head over the draft vocabulary) and the memory bandwidth."""
+    import json
+
+    from entmtp.__main__ import main
+
+    code = main(["kernels", "--chain-only", "--threads", str(ALL_THREADS), "--reps", "3"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code in (0, None)
+    chain = json.loads(out[-1])["chain"]
+    heads = rt.heads("hydra")
+    assert chain["heads"] == heads.numerics and chain["draft_vocab"] == heads.draft_vocab.numel()
+    assert [r["depth"] for r in chain["rows"]] == [1, 2, 3, 4] and chain["bandwidth_gbs"] > 0
+    for r in chain["rows"]:
+        assert r["cold_ms"] > 0 and r["warm_ms"] > 0 and r["cold_phrasebook_ms"] > 0
+    reads = [r["reads_mb"] for r in chain["rows"]]
+    assert reads == sorted(reads) and all(r["streams_mb"] >= r["reads_mb"] for r in chain["rows"])
+    lm = heads._lm_packed[heads._lm_key(0)]
+    assert lm.kind == "q8_0" and all(b.linear.kind == heads.blocks for b in heads.head_blocks(0))
+    # a chain to depth d streams the LM head d times: what the rows say differs by whole LM heads
+    assert abs(chain["rows"][3]["streams_mb"] - chain["rows"][3]["reads_mb"] - 3 * lm.nbytes() / 1e6) < 0.02
+    assert out[0].startswith("The heads' top-1 chain (") and len(out) == 3 + 4 + 1

@@ -141,6 +141,15 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 HEAD_BLOCKS = ("q4_1", "q8_0")  # the block kinds draft heads may be served in (`BlockLinear`)
 
 
+def _block_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension (32) by halves, elementwise adds only: the same bits on every
+    instruction set (a reduction's order may follow the vector width), so a span's choice is too."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def quantize_q4_1(weight: torch.Tensor, grid: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float weights [out, in] (in a multiple of 32) -> Q4_1 blocks in the GGUF's layout (nibbles
     uint8 [out, in / 2]: element j the low nibble of byte j, j + 16 the high one; fp16 scales d
@@ -150,7 +159,9 @@ def quantize_q4_1(weight: torch.Tensor, grid: int = 9) -> tuple[torch.Tensor, to
     tries `grid` spans, the range shrunk at its ends by up to a quarter step-wise, and keeps the one
     whose dequantised values (with d and m rounded to fp16, as stored) are nearest in squared error:
     a block's outliers then cost less than stretching the step for all 32 values (on the default
-    model's heads ~12% less squared error than min-max, deterministic, a fraction of a second)."""
+    model's Hydra heads, their weights as trained, 15% less squared error than min-max; with
+    `grid=5`, 6% less). Every step is elementwise or an exact minimum, maximum or sum of halves
+    (`_block_sum`, in float64): the same blocks on every machine."""
     w = weight.detach().float().reshape(weight.shape[0], -1, _BLOCK)
     lo, hi = w.amin(-1), w.amax(-1)
     best_err = best_q = best_d = best_m = None
@@ -163,7 +174,7 @@ def quantize_q4_1(weight: torch.Tensor, grid: int = 9) -> tuple[torch.Tensor, to
             df, mf = d.float(), m.float()
             inv = torch.where(df > 0, 1 / df.clamp_min(1e-30), torch.zeros((), dtype=torch.float32))
             q = torch.round((w - mf[..., None]) * inv[..., None]).clamp(0, 15)
-            err = ((df[..., None] * q + mf[..., None]) - w).square().sum(-1)
+            err = _block_sum(((df[..., None] * q + mf[..., None]) - w).double().square())
             if best_err is None:
                 best_err, best_q, best_d, best_m = err, q, d, m
             else:

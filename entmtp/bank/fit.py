@@ -57,7 +57,7 @@ def fit_task(trees: list[Tree], traces: list[Trace], step_ms: list[float], prefi
     front, τ over pairs of front trees, each on every feature; the feature with the best
     predicted throughput is kept. `baseline` (Hydra's tree and its step cost) is scored too.
     `chain_ms[d]` is the cost of the heads' top-1 chain to depth d: a policy on the path value
-    through d heads runs it head by head until the value settles its choice (at most d heads, as
+    through d heads runs it until the value settles its choice (at most d heads, in one call, as
     the engine does), so a tree shallower than the heads read costs the difference; every d from 1
     to the bank's depth is fitted and the best kept (`features.path_value.depth`).
     """

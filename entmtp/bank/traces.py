@@ -134,8 +134,8 @@ def simulate(tables: Tables, choose_factory: Callable[[], Callable[[float], int]
              reads: tuple[list[list[list[float]]], list[list[float]]] | None = None) -> Outcome:
     """Decode every trace under a policy: at i pick a tree from features[trace][i], jump by its acceptance.
 
-    `reads` = (g, extra) for a policy on the path value, read head by head as the engine reads it:
-    g[trace][i] = [g_1, ..., g_d] at position i, and extra[k][tree] the cost of the chain through k
+    `reads` = (g, extra) for a policy on the path value, read as the engine reads it (up to the
+    first value that settles the choice): g[trace][i] = [g_1, ..., g_d] at position i, and extra[k][tree] the cost of the chain through k
     heads beyond the tree's own; the policy reads up to the first g_k its chooser calls settled
     (`policy.Chooser`) and the step costs step_ms[tree] + extra[k][tree]. `features` is then unread.
     """

@@ -40,6 +40,7 @@ from entmtp.runtime.weights import cache_root  # noqa: E402
 from entmtp.spec.headfiles import load_heads  # noqa: E402
 from entmtp.spec.phrasebook import Reranker  # noqa: E402
 from entmtp.tools import evalheads  # noqa: E402
+from entmtp.tools.kernelbench import chain_bytes  # noqa: E402
 
 
 def ranked_vocab(rt, vocab: torch.Tensor) -> list[int]:
@@ -77,10 +78,9 @@ def main() -> None:
         heads.set_draft_vocab(torch.tensor(sorted(ranked[: int(size)])))
         rt._heads["hydra"] = served_heads(rt.model, heads)  # packed in the new form, as `resolve_heads` serves them
         started = time.time()
+        per_head, lm = chain_bytes(heads)
         row = {"blocks": blocks, "draft_vocab": int(size), "numerics": heads.numerics,
-               "chain_mb": round(sum(lin.nbytes() for i in range(heads.num_heads) for b in heads.head_blocks(i)
-                                     for lin in (b.linear, b.res_connection) if hasattr(lin, "nbytes")) / 1e6, 2),
-               "lm_head_mb": round(heads._lm_packed[heads._lm_key(0)].nbytes() / 1e6, 2)}
+               "chain_mb": round(sum(per_head) / 1e6, 2), "lm_head_mb": round(lm / 1e6, 2)}
         row["chain_cold_ms"] = [round(x, 3) for x in calibrate.measure_chain(heads, heads.num_heads, reps=25, between=between)[1:]]
         row["chain_warm_ms"] = [round(x, 3) for x in calibrate.measure_chain(heads, heads.num_heads, reps=25)[1:]]
         for book in (() if args.no_accept else (False, True)):

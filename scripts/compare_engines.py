@@ -121,7 +121,8 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), rev.stdout.strip()], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            sides = {"old": Side(tree, str(Path(tmp) / "ext"), tree / "banks" if args.own_banks else Path(args.banks), args.max_new_tokens),
+            old_banks = tree / "banks" if args.own_banks else Path(args.banks)
+            sides = {"old": Side(tree, str(Path(tmp) / "ext"), old_banks, args.max_new_tokens),
                      "new": Side(ROOT, os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
                                  Path(args.banks), args.max_new_tokens)}
             for side in sides.values():  # untimed: kernels, caches, each tree size
@@ -162,7 +163,8 @@ def main() -> None:
             row["new_over_old"] = round(row["new_tokens_per_s"] / row["old_tokens_per_s"], 3)
             rows.append(row)
     record = {"hardware": hardware(), "cpu_flags": cpu_features(), "cpu": cpu_id(), "old": args.old, "old_commit": rev.stdout.strip(), "new_commit": head,
-              "date": datetime.date.today().isoformat(), "banks": "each side its own commit's" if args.own_banks else _shown(args.banks), "prompts": f"calib split, {args.prompts_per_task} a task",
+              "date": datetime.date.today().isoformat(), "banks": "each side its own commit's" if args.own_banks else _shown(args.banks),
+              "prompts": f"calib split, {args.prompts_per_task} a task",
               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "lossless": True, "same_tokens": True, "rows": rows,
               "command": "python scripts/compare_engines.py " + " ".join(sys.argv[1:])}
     for row in rows:

@@ -135,8 +135,8 @@ def simulate(tables: Tables, choose_factory: Callable[[], Callable[[float], int]
     """Decode every trace under a policy: at i pick a tree from features[trace][i], jump by its acceptance.
 
     `reads` = (g, extra) for a policy on the path value, read as the engine reads it (up to the
-    first value that settles the choice): g[trace][i] = [g_1, ..., g_d] at position i, and extra[k][tree] the cost of the chain through k
-    heads beyond the tree's own; the policy reads up to the first g_k its chooser calls settled
+    first value that settles the choice): g[trace][i] = [g_1, ..., g_d] at position i, and
+    extra[k][tree] the cost of the chain through k heads beyond the tree's own; the policy reads up to the first g_k its chooser calls settled
     (`policy.Chooser`) and the step costs step_ms[tree] + extra[k][tree]. `features` is then unread.
     """
     tokens = steps = 0

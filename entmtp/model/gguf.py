@@ -234,7 +234,8 @@ class BlockLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.bias) if t is not None)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.kind} blocks ({self.isa})"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kind} blocks ({self.isa})")
 
 
 def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -44,7 +44,7 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     if settle is not None:  # the value through the prefix's heads, which the chain goes on multiplying
         settle = (path_value(settle[0], probs), settle[1], settle[2])
-        if probs and (settle[0] < settle[1] if settle[2] else settle[0] <= settle[1]):
+        if probs and _settles(settle[0], settle):
             depth = len(probs)  # the prefix has settled it: no further head
     tokens = getattr(prefix, "tokens", None)
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
@@ -52,6 +52,11 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
     more, p, picked = _top1(heads, feature, path, depth, force, settle)
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
+
+
+def _settles(g: float, settle: tuple[float, float, bool]) -> bool:
+    """Whether path value g settles the choice under `settle`'s bound (t, strict): g <= t, or g < t."""
+    return g < settle[1] if settle[2] else g <= settle[1]
 
 
 def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
@@ -91,7 +96,7 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: i
         path = torch.cat([path, tokens[-1].view(1, 1)], dim=1)
         if g is not None:
             g *= float(p)
-            if g < settle[1] if settle[2] else g <= settle[1]:
+            if _settles(g, settle):
                 break
     if not probs:
         return logits, torch.zeros(0, device=feature.device), torch.zeros(0, dtype=torch.long, device=feature.device)

@@ -212,14 +212,9 @@ class Engine:
             if feature_name == "path_value" and heads is not None:
                 if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = chained = drafts.top1_chain(heads, feature, root, feature_depth)
-                elif settle_at is not None:  # the heads up to the first whose value settles the choice, in one call
-                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, feature_depth, None, force,
-                                                                       (s, *settle_at()))
-                else:  # head by head, stopping where the value settles the choice (each deeper g is at most it)
-                    for d in range(1, feature_depth + 1):
-                        chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, d, chained, force)
-                        if settled is not None and settled(path_value(s, chain_probs)):
-                            break
+                else:  # in one call, up to the first head whose value settles the choice (each deeper g is at most it)
+                    settle = (s, *settle_at()) if settle_at is not None else None
+                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, feature_depth, None, force, settle)
             heads_read = len(chain_probs)
             if settled is not None:
                 heads_read = next((d for d in range(1, heads_read + 1) if settled(path_value(s, chain_probs[:d]))), heads_read)

@@ -89,9 +89,28 @@ def _linears(model: nn.Module, as_served: bool = False) -> list[nn.Module]:
 
 def _bytes_read(m: nn.Module) -> int:
     """Bytes one call streams of a layer's weights, in the form the served kernel reads them."""
+    if hasattr(m, "nbytes"):  # the heads' `gguf.BlockLinear`
+        return m.nbytes()
     if isinstance(m, GGUFLinear):
         return sum(t.numel() * t.element_size() for t in (m.qs, m.d, m.m) if t is not None)
-    return m.weight.numel() * m.weight.element_size()
+    if isinstance(getattr(m, "weight", None), torch.Tensor):
+        return m.weight.numel() * m.weight.element_size()
+    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+
+def _sum_buffer() -> torch.Tensor:
+    """What the memory bandwidth is read from: a 256 MB float32 tensor, summed."""
+    return torch.ones(64 * 1024 * 1024)
+
+
+def _sum_seconds(big: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    big.sum()
+    return time.perf_counter() - t0
+
+
+def _bandwidth_gbs(big: torch.Tensor, seconds: list[float]) -> float:
+    return big.numel() * big.element_size() / statistics.median(seconds) / 1e9
 
 
 @torch.inference_mode()
@@ -100,19 +119,16 @@ def floors(linears: list[nn.Module], reps: int = 5) -> dict:
     weights once at the memory bandwidth a 256 MB float32 sum reaches, and one multiply-add per
     weight and row at the rate a 2048^3 float32 matrix product reaches (PyTorch's own GEMM, all
     threads; a practical ceiling rather than a hard one)."""
-    big = torch.ones(64 * 1024 * 1024)
+    big = _sum_buffer()
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     torch.mm(a, b)
     sums, mms = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        big.sum()
+        sums.append(_sum_seconds(big))
         t1 = time.perf_counter()
         torch.mm(a, b)
-        t2 = time.perf_counter()
-        sums.append(t1 - t0)
-        mms.append(t2 - t1)
-    bandwidth = big.numel() * 4 / statistics.median(sums) / 1e9
+        mms.append(time.perf_counter() - t1)
+    bandwidth = _bandwidth_gbs(big, sums)
     gfma = 2048 ** 3 / statistics.median(mms) / 1e9
     weights_mb = sum(_bytes_read(m) for m in linears) / 1e6
     macs = sum(m.in_features * m.out_features for m in linears)
@@ -201,17 +217,12 @@ def isa_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _chain_bytes(heads) -> tuple[list[int], int]:
+def chain_bytes(heads) -> tuple[list[int], int]:
     """Per head, the bytes its ResBlocks stream (values, scales, minimums, biases), and the LM
     head's (read again at every depth)."""
-    def nbytes(m) -> int:
-        if hasattr(m, "nbytes"):
-            return m.nbytes()
-        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-
-    per_head = [sum(nbytes(lin) for b in heads.head_blocks(i) for lin in (b.linear, b.res_connection)
+    per_head = [sum(_bytes_read(lin) for b in heads.head_blocks(i) for lin in (b.linear, b.res_connection)
                     if not isinstance(lin, nn.Identity)) for i in range(heads.num_heads)]
-    return per_head, nbytes(heads._lm_packed[heads._lm_key(0)]) if heads._lm_packed else 0
+    return per_head, _bytes_read(heads._lm_packed[heads._lm_key(0)]) if heads._lm_packed else 0
 
 
 @torch.inference_mode()
@@ -227,15 +238,10 @@ def chain_costs(engine, heads, reps: int = 25, context: int = 192, book=None, ru
 
     between = forward_between(engine, context)
     depth = heads.num_heads
-    per_head, lm = _chain_bytes(heads)
-    big = torch.ones(64 * 1024 * 1024)
+    per_head, lm = chain_bytes(heads)
+    big = _sum_buffer()
     big.sum()
-    sums = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        big.sum()
-        sums.append(time.perf_counter() - t0)
-    bandwidth = big.numel() * 4 / statistics.median(sums) / 1e9
+    bandwidth = _bandwidth_gbs(big, [_sum_seconds(big) for _ in range(5)])
     del big
     cold = measure_chain(heads, depth, reps=reps, between=between)
     warm = measure_chain(heads, depth, reps=reps)

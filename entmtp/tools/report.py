@@ -670,9 +670,10 @@ def heads_block(files: list[Path], root: Path = ROOT) -> str:
                   + (f", `{h['arch']}`" if h.get("arch") else "")
                   + (", the base model's LM head shared" if h.get("shared_lm_head") else "")
                   + (f", a draft vocabulary of {dv['size']:,} tokens (covering {100 * dv['coverage_train']:.1f}% of the "
-                     f"training answers' tokens" + (f", {100 * dv['coverage_heldout']:.1f}% of the held-out ones)" if "coverage_heldout" in dv else ")")
+                     "training answers' tokens"
+                     + (f", {100 * dv['coverage_heldout']:.1f}% of the held-out ones" if "coverage_heldout" in dv else "") + ")"
                      if dv else "")
-                  + (f", ResBlocks served in {h['blocks'].upper().replace('_', '_')} blocks" if h.get("blocks") else "")
+                  + (f", ResBlocks served in {h['blocks'].upper()} blocks" if h.get("blocks") else "")
                   + f", {p.get('weights_dtype', 'float32')} weights; trained {p['date']}"
                   + (f", {p['training']['steps']:,} steps at lr {tc['lr']:g}" if tc and p.get("training") else "")
                   + (f", from `{p['init']['from']}`" if p.get("init") else "") + ".", "",

@@ -223,17 +223,59 @@ def test_a_chain_that_settles_stops_where_reading_head_by_head_stops(model, pack
     assert {1, 2, 4} <= set(stops)  # the bounds stopped the chain at several depths
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_read_chain_goes_on_to_the_depth_of_the_tree_its_value_picks(model, packed):
+    """With `then` = (settled, unsettled), the chain that reads the value goes on in the same call:
+    past the head that settles it to depth `settled`, past `depth` read unsettled to `unsettled`
+    (-1: it stops as before). Each deeper head's logits, probability and token are the plain
+    chain's: the tree's own chain, not run again."""
+    from entmtp.spec.policy import path_value
+
+    heads = random_heads(model, "hydra")
+    heads.blocks = "q4_1"
+    if packed:
+        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+        assert heads._chain is not None
+    seen = set()
+    with torch.inference_mode():
+        for root, feature in features(model, heads, 5):
+            whole = top1_chain(heads, feature, root, 4)
+            for p0 in (1.0, 0.3):
+                values = [path_value(p0, whole[1][:d]) for d in range(1, 5)]
+                for t in (values[0], values[1], 0.0):
+                    for depth in (1, 2, 3):
+                        settles = next((d for d in range(1, depth + 1) if values[d - 1] <= t), None)
+                        for then in ((-1, -1), (1, 3), (3, 1), (4, 4), (2, -1)):
+                            want = max(settles, then[0]) if settles else max(depth, then[1])
+                            got = top1_chain(heads, feature, root, depth, None, None, (p0, t, False), then)
+                            assert got[1] == whole[1][:want] and got.tokens == whole.tokens[:want], (depth, then, t)
+                            assert all(torch.equal(a, b) for a, b in zip(got[0], whole[0][:want]))
+                            seen.add((settles is not None, want > depth))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
 def test_every_policy_states_its_settle_bound_as_settled_decides():
     """`Chooser.settle_at()` is `settled` as a bound (value <= t, or < t where strict), in every
-    state of every policy, so the chain that stops itself stops where the policy would have."""
+    state of every policy, so the chain that stops itself stops where the policy would have; and
+    `outcomes()` names the tree a settled value picks and the one an unsettled value picks (where
+    one tree does), so the chain that goes on to that tree's depth goes as deep as the step needs."""
     from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
 
     values = [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.9, 1.0]
     for policy in (StaticPolicy(0), LadderPolicy((0, 1, 2), (0.2, 0.5)), LadderPolicy((0,), ()),
                    TauPolicy(0, 1, tau_on=0.3, tau_off=0.1), TauPolicy(0, 1, tau_on=0.2, tau_off=0.2)):
-        choose = policy.chooser()
+        choose, history = policy.chooser(), []
         for drive in values + values[::-1]:  # walk τ through both of its states
             t, strict = choose.settle_at()
             for v in values:
                 assert choose.settled(v) == (v < t if strict else v <= t), (policy, drive, v)
+            settled_tree, unsettled_tree = choose.outcomes()
+            for v in values:  # the tree each value picks from this state: on a copy of the chooser's history
+                probe = policy.chooser()
+                for earlier in history:
+                    probe(earlier)
+                picked = probe(v)
+                assert picked == settled_tree if choose.settled(v) else unsettled_tree in (None, picked), (policy, history, v)
             choose(drive)
+            history.append(drive)

@@ -28,7 +28,8 @@ class Chain(tuple):
 
 def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
                prefix: tuple[list[torch.Tensor], list[float]] | None = None,
-               force: Forcer | None = None, settle: tuple[float, float, bool] | None = None) -> Chain:
+               force: Forcer | None = None, settle: tuple[float, float, bool] | None = None,
+               then: tuple[int, int] = (-1, -1)) -> Chain:
     """Run heads 0..depth-1 along the top-1 path from the root.
 
     Returns each head's draft logits (K,) on that path (reused when drafting the tree) and the
@@ -39,18 +40,24 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     goes on through the first, and p_d is the probability it gives for that token (a reranker's),
     else the head's own top-1 probability. `settle` = (p0, t, strict): stop after the first head
     whose path value p0 * p_1 * ... * p_d (`policy.path_value`, over the prefix's heads too) is at
-    most t (below t where strict), as the engine's head-by-head reading would (`Chooser.settle_at`).
+    most t (below t where strict), as the engine's head-by-head reading would (`Chooser.settle_at`);
+    `then` = (settled, unsettled) with `settle`: once the value settles, go on without reading it to
+    depth `settled` where that is deeper; where `depth` is reached unsettled, on to `unsettled`
+    (-1: stop): the depths of the trees the policy then picks (`Chooser.outcomes`), so that a step's
+    chain is one call.
     """
     logits, probs = (list(prefix[0]), list(prefix[1])) if prefix else ([], [])
     if settle is not None:  # the value through the prefix's heads, which the chain goes on multiplying
         settle = (path_value(settle[0], probs), settle[1], settle[2])
-        if probs and _settles(settle[0], settle):
-            depth = len(probs)  # the prefix has settled it: no further head
+        if probs and _settles(settle[0], settle):  # the prefix has settled it: no further head read
+            depth, settle = max(len(probs), then[0]), None
+        elif probs and len(probs) >= depth:  # read through its depth, unsettled
+            depth, settle = max(depth, then[1]), None
     tokens = getattr(prefix, "tokens", None)
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
     path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
-    more, p, picked = _top1(heads, feature, path, depth, force, settle)
+    more, p, picked = _top1(heads, feature, path, depth, force, settle, then)
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
@@ -69,17 +76,19 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
 
 
 def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
-          force: Forcer | None = None, settle: tuple[float, float, bool] | None = None
-          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+          force: Forcer | None = None, settle: tuple[float, float, bool] | None = None,
+          then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """`top1_logits`, and the tokens (depth - d,) long the path went on through; with `settle`
-    (g so far, t, strict), only up to the first head that brings g to at most t (below t if strict)."""
-    fast = heads.top1_on_blocks(feature, path, depth, force, settle)  # block heads on a CPU: one extension call, the same bits
+    (g so far, t, strict), only up to the first head that brings g to at most t (below t if strict),
+    then on as `then` says (`top1_chain`)."""
+    fast = heads.top1_on_blocks(feature, path, depth, force, settle, then)  # block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
     g = settle[0] if settle is not None else None
     h = feature[None]  # (1, H)
     logits, probs, tokens = [], [], []
-    for d in range(path.shape[1] - 1, depth):
+    d, target = path.shape[1] - 1, depth
+    while d < target:
         row = heads.head_logits(d, h, path)[0]  # (K,)
         p, idx = torch.softmax(row.float(), -1).max(-1)
         forced, q = force(path[0].tolist(), float(p), row) if force is not None else ([], -1.0)
@@ -97,7 +106,10 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: i
         if g is not None:
             g *= float(p)
             if _settles(g, settle):
-                break
+                g, target = None, max(d + 1, then[0])
+            elif d + 1 >= depth:
+                g, target = None, max(depth, then[1])
+        d += 1
     if not probs:
         return logits, torch.zeros(0, device=feature.device), torch.zeros(0, dtype=torch.long, device=feature.device)
     return logits, torch.stack(probs), torch.cat(tokens)

@@ -180,6 +180,7 @@ class Engine:
         choose = strategy.policy.chooser()
         settled = getattr(choose, "settled", None)
         settle_at = getattr(choose, "settle_at", None)  # `settled` as a bound the heads' chain stops at itself
+        outcomes = getattr(choose, "outcomes", None)  # the trees it then picks: their depths, which the chain goes on to
         ctx = heads.new_context() if heads is not None else None
         text = strategy.book.context(prompt_ids) if strategy.book is not None and heads is not None else None
         force = forcer(text, strategy.rule, heads.draft_vocab) if text is not None else None
@@ -212,10 +213,12 @@ class Engine:
             if feature_name == "path_value" and heads is not None:
                 if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = chained = drafts.top1_chain(heads, feature, root, feature_depth)
-                else:  # in one call, up to the first head whose value settles the choice (each deeper g is at most it)
+                else:  # in one call, up to the first head whose value settles the choice (each deeper g is at most it),
+                    # then on to the depth of the tree that value picks
                     settle = (s, *settle_at()) if settle_at is not None else None
-                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, feature_depth, None, force, settle)
-            heads_read = len(chain_probs)
+                    then = tuple(-1 if i is None else trees[i].max_depth for i in outcomes()) if outcomes is not None else (-1, -1)
+                    chain, chain_probs = chained = drafting.top1_chain(heads, feature, root, feature_depth, None, force, settle, then)
+            heads_read = min(len(chain_probs), feature_depth)
             if settled is not None:
                 heads_read = next((d for d in range(1, heads_read + 1) if settled(path_value(s, chain_probs[:d]))), heads_read)
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs[:heads_read]))

@@ -256,14 +256,16 @@ class DraftHeads(nn.Module):
         raise NotImplementedError
 
     def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int, force=None,
-                       settle: tuple[float, float, bool] | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+                       settle: tuple[float, float, bool] | None = None,
+                       then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
         """`drafting.top1_logits` in one extension call where the heads are on GGUF blocks (the same
         bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1, their
         top-1 probabilities and the tokens the path went on through; None elsewhere. `force`:
-        `drafting.top1_logits`'s; `settle`: `drafting._top1`'s (the chain stops itself)."""
+        `drafting.top1_logits`'s; `settle`, `then`: `drafting._top1`'s (the chain stops or goes on itself)."""
         if self._chain is None or feature.device.type != "cpu":
             return None
-        stop = {} if settle is None else {"p0": settle[0], "settle": settle[1], "strict": settle[2]}
+        stop = {} if settle is None else {"p0": settle[0], "settle": settle[1], "strict": settle[2],
+                                          "settled_depth": then[0], "unsettled_depth": then[1]}
         native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
         if native is not None:
             logits, probs, tokens = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native(), **stop)

@@ -21,6 +21,7 @@
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 
@@ -120,17 +121,22 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
-                                                    c10::optional<Force> force, double p0, double settle, bool strict) const {
+                                                    c10::optional<Force> force, double p0, double settle, bool strict,
+                                                    int64_t settled_depth, int64_t unsettled_depth) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
-  TORCH_CHECK(!path.empty() && depth <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
+  const bool reading = p0 >= 0;  // the policy's value is read (and may stop or extend the chain)
+  const int64_t deepest = reading ? std::max({depth, settled_depth, unsettled_depth}) : depth;
+  TORCH_CHECK(!path.empty() && deepest <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
   const bool grounded = present(embed);
-  const int64_t first = static_cast<int64_t>(path.size()) - 1, n = std::max<int64_t>(0, depth - first);
+  const int64_t first = static_cast<int64_t>(path.size()) - 1, n = std::max<int64_t>(0, deepest - first);
   const auto f = feature.reshape({1, hidden}).contiguous();
   std::vector<at::Tensor> rows;
   auto probs = at::empty({n}, feature.options());
   auto tokens = at::empty({n}, feature.options().dtype(at::kLong));
   double g = p0;
-  for (int64_t d = first; d < depth; ++d) {
+  bool open = reading;  // the value still read: not settled, the feature's depth not reached
+  int64_t target = depth;
+  for (int64_t d = first; d < target; ++d) {
     at::Tensor x = f;
     if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
       x = at::empty({1, (d + 2) * hidden}, feature.options());
@@ -168,9 +174,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
     rows.push_back(z);
     path.push_back(token);
     tokens.data_ptr<int64_t>()[d - first] = token;
-    if (p0 >= 0) {  // policy.path_value: g = p0, then g *= p_d (each float32 probability widened exactly)
+    if (open) {  // policy.path_value: g = p0, then g *= p_d (each float32 probability widened exactly)
       g *= static_cast<double>(probs.data_ptr<float>()[d - first]);
-      if (strict ? g < settle : g <= settle) break;
+      if (strict ? g < settle : g <= settle) {
+        open = false;
+        target = std::max(d + 1, settled_depth);
+      } else if (d + 1 >= depth) {
+        open = false;
+        target = std::max(depth, unsettled_depth);
+      }
     }
   }
   const int64_t ran = static_cast<int64_t>(rows.size());

@@ -50,9 +50,13 @@ struct HeadChain {
   // With `p0` >= 0 the chain stops early, after the first head whose path value g = p0 * p_1 * ...
   // (summed in double, as `policy.path_value` multiplies) has settled the policy's choice: g <=
   // `settle` (g < `settle` where `strict`): what the engine's head-by-head reading would stop at.
+  // Once the value settles, the chain goes on (without reading it) to `settled_depth` where that is
+  // deeper; where it reaches `depth` unsettled, on to `unsettled_depth`: the depths of the trees
+  // the policy then picks (`Chooser.outcomes`), so the tree's own chain is in the same call.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                            c10::optional<Force> force = c10::nullopt, double p0 = -1.0,
-                                           double settle = 0.0, bool strict = false) const;
+                                           double settle = 0.0, bool strict = false, int64_t settled_depth = -1,
+                                           int64_t unsettled_depth = -1) const;
 
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);

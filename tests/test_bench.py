@@ -81,6 +81,13 @@ def test_bench_cli_ends_with_one_json_line(tiny_dir, tmp_path, capsys):
     full = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {r["predicted_for"] for r in full["detail"] if r["method"] != "hf"} == {"these prompts"}
     assert all(r["predicted_seconds"] > 0 for r in full["per_prompt"] if r["method"] in ("ar", "entmtp-tau"))
+    # and each run predicted just before it ran, from the live costs of that moment (bank.live)
+    assert all(r["live_predicted_seconds"] > 0 for r in full["per_prompt"] if r["method"] in ("ar", "entmtp-tau", "hydra"))
+    live = {r["method"]: r for r in full["detail"]}
+    assert live["entmtp-tau"]["live_predicted_tokens_per_s"] > 0 and live["hf"]["live_predicted_tokens_per_s"] is None
+    assert live["ar"]["measured_over_live"] == pytest.approx(live["ar"]["tokens_per_s"] / live["ar"]["live_predicted_tokens_per_s"], rel=1e-3)
+    trees = full["live_costs"]["chat"]["trees"]  # the run's last view of the trees' costs, beside the fit's
+    assert trees["ar"]["source"] == "measured" and trees["ar"]["nodes"] == 1 and trees["ar"]["now_ms"] > 0
 
 
 def test_without_hf_the_check_is_named_for_ar(tiny_dir, tmp_path):

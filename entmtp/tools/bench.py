@@ -12,7 +12,9 @@ before it timed cost against context, the fit's own figure for its calibration p
 is reported when `hf` is in the run: `hf` itself is that oracle where the served arithmetic is
 float32; where it is not (`--kernels q8`), an untimed `generate` on the served model is, and the
 `hf` row's own `lossless` says whether stock float32 transformers decoded the same tokens. Without
-`hf` the row says only whether it matched `ar` (`same_as_ar`).
+`hf` the row says only whether it matched `ar` (`same_as_ar`). Beside the fit's prediction, each
+run's prediction made just before it ran from the live costs of that moment (`bank.live`: every
+step timed so far in the run, per tree), and how the measured figure compares with it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from entmtp.bank.live import LiveCosts
 from entmtp.bank.predict import NoPrediction, predict
 from entmtp.config import BenchConfig, GenerationConfig, Progress
 from entmtp.spec.engine import PHASES, collect
@@ -66,15 +69,22 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
         for m in methods:
             collect(rt.run(m, task, ids, warm))
 
+    fits = {task: rt.bank(task).fit for task in {t for t, _ in encoded}} if any(m.startswith("entmtp") for m in methods) else {}
+    live = LiveCosts()  # every timed step from here on: the costs of now, which each run's prediction reads first
     rows = []
     it = progress(range(len(encoded)), "bench", len(encoded)) if progress else range(len(encoded))
     for i in it:
         task, ids = encoded[i]
         runs: dict[str, list] = {}  # method -> its runs, in the first round's order
+        foreseen: dict[int, float] = {}  # id(run) -> tokens/s predicted from the live costs just before it ran
         for r in range(cfg.repeats):  # each round in a new rotation: every method takes its turn early and late
             k = (i + r) % len(methods)
             for m in methods[k:] + methods[:k]:
-                runs.setdefault(m, []).append(collect(rt.run(m, task, ids, gen)))
+                pred = _live_prediction(live, fits.get(task), m, len(ids), gen.max_new_tokens)
+                res = collect(live.observe_run(rt.run(m, task, ids, gen), len(ids)))
+                runs.setdefault(m, []).append(res)
+                if pred:
+                    foreseen[id(res)] = pred
         for m in runs:
             res = sorted(runs[m], key=lambda x: x.elapsed_s)[(len(runs[m]) - 1) // 2]  # the median run (the lower of two)
             if any(x.token_ids != res.token_ids for x in runs[m]):
@@ -95,10 +105,11 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
                     "token_ids": res.token_ids,
                 }
             )
+            if id(res) in foreseen and res.new_tokens:
+                rows[-1]["live_predicted_seconds"] = res.new_tokens / foreseen[id(res)]
     if "hf" in methods and rt.served_differs():  # the oracle: generate on the model as served, untimed
         for i, (task, ids) in enumerate(encoded):
             rows.append({"prompt": i, "task": task, "method": "oracle", "token_ids": collect(rt.run("oracle", task, ids, gen)).token_ids})
-    fits = {task: rt.bank(task).fit for task in {t for t, _ in encoded}} if any(m.startswith("entmtp") for m in methods) else {}
     for r in rows:  # the prediction for this prompt's length and this run's tokens (bank.predict)
         fit = fits.get(r["task"])
         if fit and r["method"] != "oracle" and r["tokens"]:
@@ -107,7 +118,19 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
             except NoPrediction:
                 pass
     predicted = {task: fit.get("predicted_tokens_per_s", {}) for task, fit in fits.items()}
-    return {"results": aggregate(rows, methods, predicted), "per_prompt": rows}
+    return {"results": aggregate(rows, methods, predicted), "per_prompt": rows,
+            "live_costs": {task: live.snapshot(fit) for task, fit in fits.items()}}
+
+
+def _live_prediction(live: LiveCosts, fit: dict | None, method: str, prompt_tokens: int, budget: int) -> float | None:
+    """Tokens/s the fit predicts for `method` on this prompt at its budget, priced at the live costs
+    of this moment (`LiveCosts.predict`); None where the fit predicts no such method."""
+    if not fit or method not in (fit.get("per_method") or {}):
+        return None
+    try:
+        return live.predict(fit, method, prompt_tokens, budget)
+    except NoPrediction:
+        return None
 
 
 def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[str, float]] | None = None) -> list[dict]:
@@ -138,6 +161,9 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
             at_hand = bool(rs) and all("predicted_seconds" in r for r in rs)
             pred = (round(tokens / max(1e-9, sum(r["predicted_seconds"] for r in rs)), 3) if at_hand
                     else (predicted or {}).get(task, {}).get(m))
+            # predicted before each run from the live costs of that moment (`bank.live`)
+            live = (round(tokens / max(1e-9, sum(r["live_predicted_seconds"] for r in rs)), 3)
+                    if rs and all("live_predicted_seconds" in r for r in rs) else None)
             row = {
                 "task": task,
                 "method": m,
@@ -148,6 +174,8 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
                 "predicted_tokens_per_s": pred,
                 "predicted_for": "these prompts" if at_hand else ("the fit's calibration prompts" if pred else None),
                 "measured_over_predicted": round(tps / pred, 4) if pred else None,
+                "live_predicted_tokens_per_s": live,
+                "measured_over_live": round(tps / live, 4) if live else None,
                 "prompts": len(rs),
                 "tokens": tokens,
                 "ms_per_step": round(ms_step, 2),
@@ -174,7 +202,7 @@ def check_cell(row: dict, check: str = "lossless") -> str:
 def results_table(results: list[dict]) -> str:
     """A plain-text table: one row per task and method."""
     check = "lossless" if results and "lossless" in results[0] else "same_as_ar"
-    head = (f"{'task':<5} {'method':<14} {'tok/s':>7} {'pred':>7} {'x ar':>6} {'acc/step':>8} {check:>10} {'ms/step':>8}  "
+    head = (f"{'task':<5} {'method':<14} {'tok/s':>7} {'pred':>7} {'live':>7} {'x ar':>6} {'acc/step':>8} {check:>10} {'ms/step':>8}  "
             + " ".join(f"{p:>8}" for p in PHASES))
     lines = [head, "-" * len(head)]
     for r in results:
@@ -182,7 +210,8 @@ def results_table(results: list[dict]) -> str:
         engine = any(ph.values())
         lines.append(
             f"{r['task']:<5} {r['method']:<14} {r['tokens_per_s']:>7.2f} "
-            f"{r['predicted_tokens_per_s'] if r['predicted_tokens_per_s'] is not None else '-':>7} {r['speedup_vs_ar']:>6.2f} "
+            f"{r['predicted_tokens_per_s'] if r['predicted_tokens_per_s'] is not None else '-':>7} "
+            f"{r['live_predicted_tokens_per_s'] if r.get('live_predicted_tokens_per_s') is not None else '-':>7} {r['speedup_vs_ar']:>6.2f} "
             f"{r['mean_accepted']:>8.2f} {check_cell(r, check):>10} {r['ms_per_step']:>8.1f}  "
             + " ".join(f"{ph[p]:>8.2f}" if engine else f"{'-':>8}" for p in PHASES)
         )
@@ -250,7 +279,8 @@ def save_results(folder: str | Path, summary: dict, out: dict) -> Path:
 
     d = Path(folder)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"]}))
+    (d / "results.json").write_text(json.dumps({**summary, "detail": out["results"], "per_prompt": out["per_prompt"],
+                                                "live_costs": out.get("live_costs", {})}))
     fig = bench_figure(out["results"])
     fig.write_html(d / "speedup.html", include_plotlyjs="cdn")
     save_png(fig, d / "speedup.png")

@@ -1,0 +1,177 @@
+"""Live costs: what a decode step costs on this machine now, not at calibration.
+
+A fit prices each tree at the step cost `calibrate` measured (`fit["trees"][name]["step_ms"]` at
+`fit["context"]` cached tokens, its slope per context token from `context_cost`) and the prefill on
+a line through two prompt lengths. On a shared machine those costs move 2-3x within minutes, so a
+prediction from the fit alone is off by as much (docs/banks.md, *Live costs*).
+
+`LiveCosts` keeps the last steps the engine ran, per tree, on this machine (any task, any method:
+a step's cost depends on its tree and its context, not on the task), and the last prefills. A
+fit's tree is priced now at the median of its recent steps, each brought to the fit's context along
+the fit's slope; its ratio to the fit's price is the tree's *scale*. A tree not run lately carries
+the fitted curve's shape, scaled by the trees that were: the scale interpolated by node count
+between them, the nearest one's beyond. With nothing recent at all, the fit stands (scale 1).
+
+No torch: arithmetic on step records (`observe` takes what a `StepRecord` holds).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from entmtp.bank.predict import NoPrediction, prefill_ms, slope
+
+WINDOW = 32  # steps kept per tree
+MIN_STEPS = 4  # a tree's own median needs this many recent steps; fewer, and it carries the others' scale
+MAX_AGE_S = 120.0  # steps older than this are not "now"
+
+
+class LiveCosts:
+    """Recent step and prefill costs on this machine, and fits priced by them (thread-safe: the
+    app's two racing decodes observe into one)."""
+
+    def __init__(self, window: int = WINDOW, min_steps: int = MIN_STEPS, max_age_s: float = MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.window, self.min_steps, self.max_age_s, self.clock = window, min_steps, max_age_s, clock
+        self._steps: dict[str, deque] = {}  # tree name -> (t, nodes, context, ms)
+        self._prefills: deque = deque(maxlen=window)  # (t, prompt tokens, ms)
+        self._lock = threading.Lock()
+
+    # -- what ran ----------------------------------------------------------------------------------
+    def observe(self, tree: str, nodes: int, context: int, step_ms: float) -> None:
+        """One decode step: its tree, the tokens it attended to, its wall time."""
+        if step_ms <= 0:
+            return
+        with self._lock:
+            self._steps.setdefault(tree, deque(maxlen=self.window)).append((self.clock(), int(nodes), int(context), float(step_ms)))
+
+    def observe_prefill(self, prompt_tokens: int, ms: float) -> None:
+        if ms > 0 and prompt_tokens > 0:
+            with self._lock:
+                self._prefills.append((self.clock(), int(prompt_tokens), float(ms)))
+
+    def observe_run(self, records, prompt_tokens: int):
+        """Pass a decode's step records through (a generator), observing each: the steps' costs,
+        each at the context it verified at, and the prefill's."""
+        produced = 0
+        for r in records:
+            if r.step == 1:
+                self.observe_prefill(prompt_tokens, r.prefill_ms)
+            self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms)
+            produced += len(r.tokens)
+            yield r
+
+    def _recent(self, rows) -> list:
+        now = self.clock()
+        return [row for row in rows if now - row[0] <= self.max_age_s]
+
+    # -- a fit priced now ----------------------------------------------------------------------------
+    def tree_ms(self, fit: dict[str, Any], tree: str) -> float | None:
+        """The tree's step cost now at the fit's context: the median of its recent steps, each moved
+        to that context along the fit's slope; None where it has fewer than `min_steps` recent ones."""
+        with self._lock:
+            rows = self._recent(self._steps.get(tree, ()))
+        if len(rows) < self.min_steps:
+            return None
+        cost, at = fit.get("context_cost"), fit.get("context", 0)
+        return statistics.median(ms - (slope(cost, nodes) * (ctx - at) if cost else 0.0) for _, nodes, ctx, ms in rows)
+
+    def fitted_ms(self, fit: dict[str, Any], tree: str) -> tuple[int, float] | None:
+        """(nodes, the fit's step cost) of a tree of the fit (its bank's, or its Hydra baseline)."""
+        base = fit.get("baseline") or {}
+        if tree == base.get("name"):
+            return int(base["n_nodes"]), float(base["step_ms"])
+        row = (fit.get("trees") or {}).get(tree)
+        if row is None:
+            return None
+        with self._lock:
+            seen = self._steps.get(tree)
+            nodes = row.get("nodes") or (seen[-1][1] if seen else None) or _nodes_of(tree)
+        return (int(nodes), float(row["step_ms"])) if nodes else None
+
+    def scales(self, fit: dict[str, Any]) -> list[tuple[int, float, str]]:
+        """(nodes, now / fitted, tree) for each of the fit's trees run lately, by node count."""
+        names = list(fit.get("trees") or {}) + ([fit["baseline"]["name"]] if fit.get("baseline") else [])
+        out = []
+        for name in names:
+            fitted, now = self.fitted_ms(fit, name), self.tree_ms(fit, name)
+            if fitted and now is not None and fitted[1] > 0:
+                out.append((fitted[0], now / fitted[1], name))
+        return sorted(out)
+
+    def scale_at(self, fit: dict[str, Any], nodes: float, known: list[tuple[int, float, str]] | None = None) -> float:
+        """The scale of a tree of `nodes` nodes now: interpolated by node count between the trees run
+        lately, the nearest one's beyond them; 1 (the fit stands) with none."""
+        known = self.scales(fit) if known is None else known
+        if not known:
+            return 1.0
+        xs = [n for n, _, _ in known]
+        i = bisect.bisect_left(xs, nodes)
+        if i < len(xs) and xs[i] == nodes:
+            return known[i][1]
+        if i == 0:
+            return known[0][1]
+        if i == len(xs):
+            return known[-1][1]
+        (n0, s0, _), (n1, s1, _) = known[i - 1], known[i]
+        return s0 + (s1 - s0) * (nodes - n0) / (n1 - n0)
+
+    def prefill_scale(self, fit: dict[str, Any]) -> float:
+        """Recent prefills over the fit's line for their lengths (median); else the one-node step's scale."""
+        cost = fit.get("context_cost")
+        with self._lock:
+            rows = self._recent(self._prefills)
+        if cost and len(rows) >= self.min_steps:
+            return statistics.median(ms / max(1e-6, prefill_ms(cost, n)) for _, n, ms in rows)
+        return self.scale_at(fit, 1)
+
+    def curve(self, fit: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Per tree of the fit: its fitted step cost, its cost now, and whether that is measured
+        (run lately) or carried (the fitted shape scaled by the trees that were)."""
+        known = self.scales(fit)
+        mine = {name: s for _, s, name in known}
+        out = {}
+        for name in fit.get("trees") or {}:
+            priced = self.fitted_ms(fit, name)
+            if priced is None:  # a tree whose size this fit does not say and that has not run: unpriced
+                continue
+            nodes, fitted = priced
+            s = mine.get(name)
+            out[name] = {"nodes": nodes, "fitted_ms": round(fitted, 3),
+                         "now_ms": round(fitted * (s if s is not None else self.scale_at(fit, nodes, known)), 3),
+                         "source": "measured" if s is not None else ("carried" if known else "fitted")}
+        return out
+
+    def predict(self, fit: dict[str, Any], method: str, prompt_tokens: int, new_tokens: int) -> float:
+        """`bank.predict` at the costs of now: tokens/s of `method` for this prompt, its steps at
+        the fit's per-method cost scaled by the trees' recent scale, its prefill by the prefills'."""
+        cost, per = fit.get("context_cost"), (fit.get("per_method") or {}).get(method)
+        if not cost or not per:
+            raise NoPrediction(f"the fit has no {'per-method costs' if cost else 'context cost'} for {method}: refit the bank")
+        n = max(1, new_tokens)
+        context = prompt_tokens + n / 2
+        s = self.scale_at(fit, per["nodes"])
+        step = (per["step_ms"] + slope(cost, per["nodes"]) * (context - fit["context"])) * s
+        ms = prefill_ms(cost, prompt_tokens) * self.prefill_scale(fit) + n / per["mean_accepted"] * max(step, 1e-3)
+        return n / ms * 1e3
+
+    def snapshot(self, fit: dict[str, Any]) -> dict[str, Any]:
+        """What a record or the page shows: the trees' costs now beside the fit's, and the scales."""
+        return {"trees": self.curve(fit), "scales": {name: round(s, 4) for _, s, name in self.scales(fit)},
+                "prefill_scale": round(self.prefill_scale(fit), 4)}
+
+
+def _nodes_of(name: str) -> int | None:
+    """A bank tree's node count from its name (`n4-d3` -> 4), where the fit does not say it and the
+    tree has not run."""
+    if name.startswith("n") and "-d" in name:
+        try:
+            return int(name[1:name.index("-d")])
+        except ValueError:
+            return None
+    return None

@@ -100,6 +100,9 @@ def test_race_streams_and_matches_ar(served, ar_text):
     streamed = [o[0] for o in job.outputs() if isinstance(o[0], str)]
     assert all(ent_text.startswith(t) for t in streamed)
     assert any(len(t) < len(ent_text) for t in streamed)
+    # the next race's predictions are priced at the steps this one timed (the runtime's live costs)
+    again = client.predict(PROMPT, "code", "tau", "ar", N_NEW, 0.0, api_name="/race")
+    assert all("at the costs of the last" in s and "steps timed here" in s for s in (again[4], again[5])), (again[4], again[5])
 
 
 def test_counterfactual_of_a_greedy_race(served):

@@ -59,6 +59,12 @@ def test_trees_run_lately_are_priced_at_their_steps_and_the_rest_carry_their_sca
     s3 = 2.0 + 2.0 / 3
     tau_step = (13.0 + (0.01 + 0.04 * 2 / 63) * (100 - 192)) * s3
     assert live.predict(FIT, "entmtp-tau", 50, 100) == pytest.approx(100 / (prefill_ms(50) * 2.0 + 50 * tau_step) * 1e3)
+    # the same prediction from the fit priced now, which a page keeps while the costs move on
+    for method in ("ar", "entmtp-tau"):
+        priced = live.priced(FIT, method)
+        assert predict(priced, method, 50, 100) == pytest.approx(live.predict(FIT, method, 50, 100))
+        assert priced["live_steps"] == 10
+    assert live.priced(FIT, "ar")["live_scale"] == 2.0
     # too few steps of a tree are not yet its price; old steps are not "now"
     live.observe("n9-d4", 9, 192, 100.0)
     assert live.tree_ms(FIT, "n9-d4") is None

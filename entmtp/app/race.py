@@ -18,6 +18,7 @@ from entmtp.app import gpu
 from entmtp.figures import plots
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import ceiling_text, through_heads
+from entmtp.bank.live import LiveCosts
 from entmtp.bank.predict import predict
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import StepRecord, Strategy
@@ -322,8 +323,10 @@ class Side:
             return ""
         emitted = self.done and self.ids
         tps = predict(f["fit"], f["method"], f["prompt_tokens"], len(self.ids) if emitted else f["budget"])
+        costs = (f"at the costs of the last {f['live_steps']} steps timed here" if f.get("live_steps")
+                 else "at calibration's costs (no step timed here yet)")
         return (f"predicted here for this prompt ({f['prompt_tokens']} tokens, "
-                + (f"{len(self.ids)} new" if emitted else f"up to {f['budget']} new") + f"): {tps:.1f} tokens/s")
+                + (f"{len(self.ids)} new" if emitted else f"up to {f['budget']} new") + f", {costs}): {tps:.1f} tokens/s")
 
     def slowdown(self) -> float | None:
         """This side's decode steps' time over what the fit measured for the same trees on this
@@ -352,20 +355,23 @@ class Side:
         return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + busy + "</small>"
 
 
-def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int) -> dict[str, Any] | None:
+def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int, live: LiveCosts | None = None) -> dict[str, Any] | None:
     """What a side needs to predict its tokens/s for this prompt (`bank.predict`), as plain data;
     None where the bank's fit cannot (a fit made before it timed cost against context, or a method
-    it does not fit: Medusa)."""
+    it does not fit: Medusa). With `live`, the fit is priced at the step costs of this moment
+    (`LiveCosts.priced`: the races before this one on this machine), else at calibration's."""
     fit = bank.fit or {}
     if not fit.get("context_cost") or method not in (fit.get("per_method") or {}):
         return None
+    priced = live.priced(fit, method) if live is not None else None
     step_ms = {name: t["step_ms"] for name, t in (fit.get("trees") or {}).items()}
     if fit.get("baseline"):
         step_ms[fit["baseline"]["name"]] = fit["baseline"]["step_ms"]
     if "ar" in fit["per_method"]:  # plain decoding's steps are named after the method
         step_ms["ar"] = fit["per_method"]["ar"]["step_ms"]
-    return {"fit": {k: fit[k] for k in ("context", "context_cost", "per_method")}, "method": method,
-            "prompt_tokens": prompt_tokens, "budget": budget, "step_ms": step_ms}
+    return {"fit": priced or {k: fit[k] for k in ("context", "context_cost", "per_method")}, "method": method,
+            "prompt_tokens": prompt_tokens, "budget": budget, "step_ms": step_ms,
+            "live_steps": priced["live_steps"] if priced else 0}
 
 
 def badge(ent: Side, base: Side, temperature: float) -> str:
@@ -401,10 +407,11 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
         raise RaceError(f"The prompt has {len(ids)} tokens; the demo takes up to {MAX_PROMPT_TOKENS} and prompt + "
                         f"max_new_tokens must fit the model's {rt.engine.max_positions}.", "Prompt too long")
     gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
-    ent = Side(label, rt.engine.generate(ids, ent_s, gen),
-               forecast=None if req.tau else forecast(bank, f"entmtp-{req.policy}", len(ids), req.max_new_tokens))
-    base = Side(BASELINES[req.baseline].split(" (")[0], rt.engine.generate(ids, base_s, gen),
-                forecast=forecast(bank, req.baseline, len(ids), req.max_new_tokens))
+    # each side's steps feed the runtime's live costs, which the next race's predictions are priced at
+    ent = Side(label, rt.live.observe_run(rt.engine.generate(ids, ent_s, gen), len(ids)),
+               forecast=None if req.tau else forecast(bank, f"entmtp-{req.policy}", len(ids), req.max_new_tokens, rt.live))
+    base = Side(BASELINES[req.baseline].split(" (")[0], rt.live.observe_run(rt.engine.generate(ids, base_s, gen), len(ids)),
+                forecast=forecast(bank, req.baseline, len(ids), req.max_new_tokens, rt.live))
     return ent, base, policy
 
 

@@ -160,6 +160,23 @@ class LiveCosts:
         ms = prefill_ms(cost, prompt_tokens) * self.prefill_scale(fit) + n / per["mean_accepted"] * max(step, 1e-3)
         return n / ms * 1e3
 
+    def priced(self, fit: dict[str, Any], method: str) -> dict[str, Any]:
+        """What `bank.predict` needs of the fit for `method`, priced at the costs of this moment: its
+        per-method step cost and the context slope times the step scale at its mean tree size, the
+        prefill line times the prefills' scale (so that `predict(priced, ...)` is `self.predict`
+        now, and stays so while the costs move on). `live_steps`: the recent steps it rests on."""
+        cost, per = fit.get("context_cost"), (fit.get("per_method") or {}).get(method)
+        if not cost or not per:
+            raise NoPrediction(f"the fit has no {'per-method costs' if cost else 'context cost'} for {method}: refit the bank")
+        s, ps = self.scale_at(fit, per["nodes"]), self.prefill_scale(fit)
+        with self._lock:
+            steps = sum(len(self._recent(rows)) for rows in self._steps.values())
+        return {"context": fit["context"],
+                "context_cost": {**cost, "slope_ms_per_token": [v * s for v in cost["slope_ms_per_token"]],
+                                 "prefill": [[n, ms * ps] for n, ms in cost["prefill"]]},
+                "per_method": {method: {**per, "step_ms": per["step_ms"] * s}},
+                "live_steps": steps, "live_scale": round(s, 4)}
+
     def snapshot(self, fit: dict[str, Any]) -> dict[str, Any]:
         """What a record or the page shows: the trees' costs now beside the fit's, and the scales."""
         return {"trees": self.curve(fit), "scales": {name: round(s, 4) for _, s, name in self.scales(fit)},

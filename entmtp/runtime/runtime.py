@@ -34,6 +34,7 @@ from entmtp.runtime.baselines import hf_generate
 from entmtp.runtime.weights import LoadError, cache_root, eos_ids, load_model, model_slug, resolve_weights
 from entmtp.machine import fingerprint
 from entmtp.bank.calibrate import known_fit, resolve_fits
+from entmtp.bank.live import LiveCosts
 from entmtp.spec.engine import Engine, StepRecord, Strategy
 from entmtp.spec.heads import DraftHeads, HeadsError, head_features
 from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
@@ -134,6 +135,8 @@ class Runtime:
     _book: Phrasebook | bool | None = None  # False: the model ships no stored answers
     _book_lock: threading.Lock = field(default_factory=threading.Lock)
     _timing: threading.Lock = field(default_factory=threading.Lock)  # one calibration at a time
+    # the step costs of now on this machine, which the app's races feed and price their predictions by
+    live: LiveCosts = field(default_factory=LiveCosts)
 
     @property
     def slug(self) -> str:

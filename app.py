@@ -102,7 +102,10 @@ def make_race(service: Service):
             head = next(steps)
             if gpu.zero_gpu():
                 gpu.remember(head["fingerprint"])
-            ent, base = (Side(name, forecast=f) for name, f in zip(head["names"], head["forecasts"]))
+            # on ZeroGPU the steps run in the GPU worker: the page's runtime observes them from the deltas
+            # (its live costs are what the next race's worker starts from); elsewhere `start` observed them
+            prompt_tokens = len(rt.encode(req.prompt)) if gpu.zero_gpu() else None
+            ent, base = (Side(name, forecast=f, forecast_tokens=prompt_tokens) for name, f in zip(head["names"], head["forecasts"]))
             pol = head["policy"]
             shipped = "" if head["fitted"] else ("  \n<small>⚠️ with the bank's shipped fit: this machine's fit is "
                                                  "being measured in the background (Bank tab)</small>")
@@ -114,8 +117,8 @@ def make_race(service: Service):
                     cf = update["counterfactual"]
                     yield final[:14] + (plots.counterfactual_figure(cf), counterfactual_rows(cf, ent))
                     continue
-                ent.apply(update["sides"][0])
-                base.apply(update["sides"][1])
+                ent.apply(update["sides"][0], rt.live if prompt_tokens is not None else None)
+                base.apply(update["sides"][1], rt.live if prompt_tokens is not None else None)
                 finished = ent.done and base.done
                 charts = finished or time.perf_counter() - last_chart > every
                 view = tree_view(rt, trees, ent.records[-1]) if charts and ent.records else None
@@ -241,9 +244,12 @@ step's root. **Continue to the end** then runs the whole race.
   would have accepted at every step (the heatmap), which tree the policy picked (●) and which one
   a policy that knew the outcome would have picked at this machine's step costs (✕); the table
   gives this prompt's tokens/step and predicted tokens/s under each tree and policy.
-- **Bank tab, what if**: the same traces under another machine's step costs (the H200 of the GPU
-  check, the bank file's machine, or an idealised one where an extra tree row costs *r* × a plain
-  step): cheap rows move the front to deep trees, costly ones back to one or two nodes.
+- **Bank tab, what if**: the same traces under other step costs (this machine now, from the steps
+  the races here timed lately; the H200 of the GPU check; the bank file's machine; or an idealised
+  one where an extra tree row costs *r* × a plain step): cheap rows move the front to deep trees,
+  costly ones back to one or two nodes. Beside it, every step's cost over time on this machine:
+  on a shared machine it moves 2–3× within minutes, and each side's prediction in a race is priced
+  at the costs of the races before it.
 
 Every race number is measured live on the machine serving this page; no token is made up.
 """
@@ -349,6 +355,7 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                 ratio = gr.Slider(0, 1, value=0.1, step=0.01, scale=2, label="r: what an extra tree row costs, × a plain step (idealised)")
             whatif_md = gr.Markdown()
             front = gr.Plot(show_label=False)
+            costs_plot = gr.Plot(show_label=False)  # step cost over time on this machine (the runtime's live costs)
             table = gr.Dataframe(headers=["tree", "nodes", "depth", "mean accepted", "step ms", "predicted tokens/s",
                                           "front", "policies"], interactive=False, label="Trees")
             features = gr.Dataframe(headers=["feature", "Spearman ρ with accepted length", "best ladder tok/s", "best τ tok/s", "kept"],
@@ -394,12 +401,20 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             except (RaceError, LoadError) as e:
                 return None, f"❌ {e}"
 
+        def cost_history(bank, model):
+            """The chart of step cost over time here: every step the runtime timed lately, beside the fit's costs."""
+            rt = models.loaded(model)
+            fitted = {name: t["step_ms"] for name, t in (bank.fit.get("trees") or {}).items()} if bank is not None else {}
+            if bank is not None and "ar" in (bank.fit.get("per_method") or {}):
+                fitted["ar"] = bank.fit["per_method"]["ar"]["step_ms"]
+            return plots.step_cost_figure(rt.live.history() if rt is not None else [], fitted)
+
         def show(task, model, choice="here", r=0.1):
             """The race column's note and τ sliders (the bank as races use it), and the Bank tab."""
             bank, note = live(task, model)
             if bank is None:
-                return note, note, 0.8, 0.5, plots.front_figure(fallback_bank()), [], "", []
-            return note, note, *tau_defaults(bank), *what_if(bank, task, model, choice, r)
+                return note, note, 0.8, 0.5, plots.front_figure(fallback_bank()), [], "", [], cost_history(None, model)
+            return note, note, *tau_defaults(bank), *what_if(bank, task, model, choice, r), cost_history(bank, model)
 
         def what_if_event(task, model, choice, r, progress=gr.Progress()):
             bank, note = live(task, model)
@@ -410,12 +425,12 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                 service.fit(model, [task], "refit")
             return show(task, model, choice, r)
 
-        bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features]
+        bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features, costs_plot]
         bank_inputs = [task, model, hardware, ratio]
         for trigger in (task.change, model.blur, demo.load, event.then):
             trigger(show, bank_inputs, bank_outputs, api_visibility="private")
-        hardware.change(what_if_event, bank_inputs, bank_outputs[4:], api_visibility="private")
-        ratio.input(what_if_event, bank_inputs, bank_outputs[4:], api_visibility="private", trigger_mode="always_last")
+        hardware.change(what_if_event, bank_inputs, bank_outputs[4:8], api_visibility="private")
+        ratio.input(what_if_event, bank_inputs, bank_outputs[4:8], api_visibility="private", trigger_mode="always_last")
         refit.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private").then(
             do_refit, bank_inputs, bank_outputs, api_visibility="private", concurrency_id="race")
 

@@ -273,6 +273,32 @@ def test_bank_view_says_where_its_numbers_come_from(served):
         assert "mc_sim_7b_63" in names  # the measured baseline, not a stub line
 
 
+def test_the_bank_tab_refits_at_the_costs_of_now(served, ar_text):
+    """The what-if "this machine, now": the bank refitted by exact simulation at the costs the
+    runtime's live model holds (each tree run lately at its own steps, the rest carried); before
+    any step, a message instead; the chart of step cost over time draws every step kept."""
+    from entmtp.app import whatif
+    from entmtp.bank.live import LiveCosts
+
+    _, models, _ = served
+    rt = models.get(None)
+    bank = rt.bank("code")
+    fresh = LiveCosts()
+    assert whatif.now(bank, bank.fit, fresh) is None
+    for ctx in range(192, 200):  # plain steps at twice the fit's cost, the 4-node tree's at three times
+        fresh.observe("ar", 1, ctx, 2 * bank.fit["per_method"]["ar"]["step_ms"])
+        fresh.observe("n4-d3", 4, ctx, 3 * bank.fit["trees"]["n4-d3"]["step_ms"])
+    curve = whatif.now(bank, bank.fit, fresh)
+    costs = dict(zip([t.name for t in bank.trees], curve.step_ms))
+    assert costs["n4-d3"] == pytest.approx(3 * bank.fit["trees"]["n4-d3"]["step_ms"], rel=0.02)
+    assert costs["n1-d0"] == pytest.approx(2 * bank.fit["trees"]["n1-d0"]["step_ms"], rel=0.02)
+    assert "n4-d3" in curve.source and "carried" in curve.source
+    refitted = whatif.refit(bank, curve)
+    assert refitted.fit["trees"]["n4-d3"]["measured_ms"] == pytest.approx(costs["n4-d3"], rel=1e-3)
+    fig = plots.step_cost_figure(fresh.history(), {"ar": 1.0})
+    assert {t.name for t in fig.data} == {"ar (1 nodes)", "n4-d3 (4 nodes)"} and len(fig.data[0].x) == 8
+
+
 def test_the_lesson_says_when_fewer_heads_settled_the_choice():
     """A path value read through fewer heads than the policy's depth (the first already settled
     the choice) is named as such in the lesson's reason, not as the full depth's value."""

@@ -83,9 +83,12 @@ def test_prefills_and_the_baseline_tree_are_priced_too():
         live.observe("mc_sim_7b_63", 64, 192, 90.0)
     assert live.prefill_scale(FIT) == pytest.approx(1.5)
     assert live.scales(FIT) == [(64, pytest.approx(1.5), "mc_sim_7b_63")]
+    for _ in range(4):  # plain decoding's steps, named after the method, price the one-node tree
+        live.observe("ar", 1, 192, 25.0)
+    assert live.scales(FIT)[0] == (1, 2.5, "ar") and live.scale_at(FIT, 1) == 2.5
     live.observe("n1-d0", 1, 192, 0.0)  # a zero reading is no reading
     live.observe("no-such-tree", 3, 192, 5.0)  # a tree outside the fit is kept, priced by no fit
-    assert [name for _, _, name in live.scales(FIT)] == ["mc_sim_7b_63"]
+    assert [name for _, _, name in live.scales(FIT)] == ["ar", "mc_sim_7b_63"]
 
 
 def test_a_decode_passes_through_observed():

@@ -111,6 +111,9 @@ def test_a_race_on_zerogpu(space):
     assert races and races[0] <= 60, calls
     assert not [e for e in calls if "violation" in e], calls
     assert len(job.outputs()) <= 5 + 15 * 60, "more updates than ~15 a second"
+    # the page observed the race's steps from its deltas: the next race is predicted at those costs
+    again = client.predict(PROMPT, "code", "tau", "hydra", 8, 0.0, api_name="/race")
+    assert all("at the costs of the last" in s for s in (again[4], again[5])), (again[4], again[5])
 
 
 @pytest.mark.slow

@@ -269,6 +269,7 @@ class Side:
     done: bool = False
     cut: str = ""  # why the race ended this side early, if it did
     forecast: dict[str, Any] | None = None  # what `forecast` returns: the prediction for this prompt
+    forecast_tokens: int | None = None  # the prompt's tokens, where the page observes this side's steps (`apply`)
     _sent: tuple[int, int, int] = (0, 0, 0)  # records, ids and spans already in a delta
 
     def advance(self, rt: Runtime) -> None:
@@ -300,7 +301,12 @@ class Side:
         return {"records": self.records[r:], "ids": self.ids[i:], "spans": self.spans[s:], "text": self.text,
                 "done": self.done, "cut": self.cut}
 
-    def apply(self, delta: dict[str, Any]) -> None:
+    def apply(self, delta: dict[str, Any], live: LiveCosts | None = None) -> None:
+        """Take in a delta; with `live`, its steps are observed there (the page's runtime, where
+        the steps ran in another process: ZeroGPU's worker)."""
+        if live is not None and self.forecast_tokens is not None:
+            for _ in live.observe_run(delta["records"], self.forecast_tokens, len(self.ids)):
+                pass
         self.records += delta["records"]
         self.ids += delta["ids"]
         self.spans += delta["spans"]
@@ -408,9 +414,11 @@ def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -
                         f"max_new_tokens must fit the model's {rt.engine.max_positions}.", "Prompt too long")
     gen = GenerationConfig(max_new_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
     # each side's steps feed the runtime's live costs, which the next race's predictions are priced at
-    ent = Side(label, rt.live.observe_run(rt.engine.generate(ids, ent_s, gen), len(ids)),
+    # (on ZeroGPU this runs in a GPU worker whose state is dropped: the page observes the deltas instead)
+    observed = (lambda steps: steps) if gpu.zero_gpu() else (lambda steps: rt.live.observe_run(steps, len(ids)))
+    ent = Side(label, observed(rt.engine.generate(ids, ent_s, gen)),
                forecast=None if req.tau else forecast(bank, f"entmtp-{req.policy}", len(ids), req.max_new_tokens, rt.live))
-    base = Side(BASELINES[req.baseline].split(" (")[0], rt.live.observe_run(rt.engine.generate(ids, base_s, gen), len(ids)),
+    base = Side(BASELINES[req.baseline].split(" (")[0], observed(rt.engine.generate(ids, base_s, gen)),
                 forecast=forecast(bank, req.baseline, len(ids), req.max_new_tokens, rt.live))
     return ent, base, policy
 

@@ -6,7 +6,9 @@ the bank by exact simulation of its traces (`fit.fit_task`, the fit `calibrate` 
 tab shows the front, the policies, the predicted tokens/s and the ceiling under it. The curves:
 the fit measured on this machine, the bank file's shipped fit (measured on the machine it names),
 the GPU check's costs (an H200, random weights of the default architecture), and an idealised
-machine where each extra tree row costs r times a plain step. Only the first is measured here.
+machine where each extra tree row costs r times a plain step. The first two are measured here: the
+fit at calibration, and this machine now (`bank.live`: what the steps of the races lately cost, per
+tree, the trees not run lately carrying the fit's shape), which moves while the machine's load does.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pathlib import Path
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.calibrate import tree_key
 from entmtp.bank.fit import fit_task
+from entmtp.bank.live import LiveCosts
 from entmtp.config import BASELINE_TREE, ROOT, TREES_FILE
 from entmtp.runtime.runtime import resolve_bank
 from entmtp.spec.topology import Tree, load_named_trees
 
 GPU_RESULTS = ROOT / "benchmarks" / "gpu"
-CHOICES = {"here": "this machine's fit", "shipped": "the bank file's machine", "gpu": "NVIDIA H200 (GPU check)",
-           "ideal": "idealised: an extra row costs r × a plain step"}
+CHOICES = {"here": "this machine's fit", "now": "this machine, now (the steps timed lately)", "shipped": "the bank file's machine",
+           "gpu": "NVIDIA H200 (GPU check)", "ideal": "idealised: an extra row costs r × a plain step"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,18 @@ def ideal(bank: TopologyBank, fit: dict, r: float) -> Curve:
     return Curve("ideal", f"an idealised {fit.get('hardware', '?')}", f"modelled: {one:.1f} ms a plain step, each extra row r = {r:.2f} of it",
                  tuple(one * (1 + r * (t.n_nodes - 1)) for t in bank.trees), one * (1 + r * (base.n_nodes - 1)),
                  fit.get("prefill_ms_per_token", 0.0), tuple(fit.get("chain_ms") or ()))
+
+
+def now(bank: TopologyBank, fit: dict, live: LiveCosts) -> Curve | None:
+    """This machine's costs now (`LiveCosts.costs_now`: each tree run lately at its own recent
+    steps, the rest at the fit's shape scaled by node count; the prefill and the heads' chain by
+    the scales of now); None before any step was timed."""
+    c = live.costs_now(fit, [t.name for t in bank.trees])
+    if c is None:
+        return None
+    return Curve("now", f"{fit.get('hardware', '?')}, now", f"timed on this machine lately ({len(c['measured'])} of the bank's trees "
+                 f"from their own steps: {', '.join(c['measured']) or 'none'}; the rest carried on the fit's shape)",
+                 tuple(c["step_ms"]), c["baseline_ms"], c["prefill_ms_per_token"], tuple(c["chain_ms"]))
 
 
 def latest_gpu_result(folder: Path = GPU_RESULTS) -> Path | None:
@@ -106,6 +121,8 @@ def refit(bank: TopologyBank, curve: Curve) -> TopologyBank:
     """The bank under the fit `calibrate` would make on the curve's machine (cached per bank and curve)."""
     key = (bank.meta.get("model"), bank.meta.get("task"), tuple(tree_key(t) for t in bank.trees), curve)
     if key not in _fits:
+        for old in [k for k in _fits if k[3].key == "now" and k[:3] == key[:3]] if curve.key == "now" else []:
+            del _fits[old]  # the costs of now move on: one such fit a bank is kept
         base = load_named_trees(TREES_FILE)[BASELINE_TREE]
         fit = fit_task(bank.trees, bank.traces, list(curve.step_ms), curve.prefill_ms_per_token, 12,
                        (base, curve.baseline_ms), list(curve.chain_ms) or None)
@@ -157,7 +174,12 @@ def bank_tab(rt, task: str, choice: str, r: float, live: TopologyBank, fitted_he
         source = ("measured on this machine" if fitted_here
                   else "the bank file's shipped fit, measured on another machine (this machine's is not measured yet)")
         return summary(live, from_fit("here", live, live.fit, source)), live
-    if choice == "shipped":
+    if choice == "now":
+        curve = now(live, live.fit, rt.live)
+        if curve is None:
+            return ("No step has been timed on this machine yet: race once, and the costs of now appear here "
+                    "(each tree from its own recent steps, the rest on the fit's shape)."), live
+    elif choice == "shipped":
         shipped = resolve_bank(rt.name, task, rt.banks_dir)
         curve = from_fit("shipped", shipped, shipped.shipped_fit, f"measured on {shipped.shipped_fit.get('hardware', '?')}")
     elif choice == "gpu":

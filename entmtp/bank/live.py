@@ -27,6 +27,7 @@ from typing import Any, Callable
 from entmtp.bank.predict import NoPrediction, prefill_ms, slope
 
 WINDOW = 32  # steps kept per tree
+HISTORY = 4000  # steps kept in order, for a chart of step cost over time
 MIN_STEPS = 4  # a tree's own median needs this many recent steps; fewer, and it carries the others' scale
 MAX_AGE_S = 120.0  # steps older than this are not "now"
 
@@ -40,6 +41,7 @@ class LiveCosts:
         self.window, self.min_steps, self.max_age_s, self.clock = window, min_steps, max_age_s, clock
         self._steps: dict[str, deque] = {}  # tree name -> (t, nodes, context, ms)
         self._prefills: deque = deque(maxlen=window)  # (t, prompt tokens, ms)
+        self._history: deque = deque(maxlen=HISTORY)  # (t, tree, nodes, context, ms), every step in order
         self._lock = threading.Lock()
 
     # -- what ran ----------------------------------------------------------------------------------
@@ -48,23 +50,31 @@ class LiveCosts:
         if step_ms <= 0:
             return
         with self._lock:
-            self._steps.setdefault(tree, deque(maxlen=self.window)).append((self.clock(), int(nodes), int(context), float(step_ms)))
+            t = self.clock()
+            self._steps.setdefault(tree, deque(maxlen=self.window)).append((t, int(nodes), int(context), float(step_ms)))
+            self._history.append((t, tree, int(nodes), int(context), float(step_ms)))
 
     def observe_prefill(self, prompt_tokens: int, ms: float) -> None:
         if ms > 0 and prompt_tokens > 0:
             with self._lock:
                 self._prefills.append((self.clock(), int(prompt_tokens), float(ms)))
 
-    def observe_run(self, records, prompt_tokens: int):
+    def observe_run(self, records, prompt_tokens: int, produced: int = 0):
         """Pass a decode's step records through (a generator), observing each: the steps' costs,
-        each at the context it verified at, and the prefill's."""
-        produced = 0
+        each at the context it verified at, and the prefill's. `produced`: tokens the decode emitted
+        before these records (records that arrive in pieces, from another process)."""
         for r in records:
             if r.step == 1:
                 self.observe_prefill(prompt_tokens, r.prefill_ms)
             self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms)
             produced += len(r.tokens)
             yield r
+
+    def history(self) -> list[tuple[float, str, int, int, float]]:
+        """Every step kept, in order: (seconds ago, tree, nodes, context, ms)."""
+        with self._lock:
+            now = self.clock()
+            return [(now - t, tree, nodes, ctx, ms) for t, tree, nodes, ctx, ms in self._history]
 
     def _recent(self, rows) -> list:
         now = self.clock()
@@ -86,6 +96,9 @@ class LiveCosts:
         base = fit.get("baseline") or {}
         if tree == base.get("name"):
             return int(base["n_nodes"]), float(base["step_ms"])
+        plain = (fit.get("per_method") or {}).get("ar")
+        if tree == "ar" and plain:  # plain decoding's steps are named after the method: the one-node tree
+            return 1, float(plain["step_ms"])
         row = (fit.get("trees") or {}).get(tree)
         if row is None:
             return None
@@ -96,7 +109,7 @@ class LiveCosts:
 
     def scales(self, fit: dict[str, Any]) -> list[tuple[int, float, str]]:
         """(nodes, now / fitted, tree) for each of the fit's trees run lately, by node count."""
-        names = list(fit.get("trees") or {}) + ([fit["baseline"]["name"]] if fit.get("baseline") else [])
+        names = list(fit.get("trees") or {}) + ([fit["baseline"]["name"]] if fit.get("baseline") else []) + ["ar"]
         out = []
         for name in names:
             fitted, now = self.fitted_ms(fit, name), self.tree_ms(fit, name)
@@ -176,6 +189,22 @@ class LiveCosts:
                                  "prefill": [[n, ms * ps] for n, ms in cost["prefill"]]},
                 "per_method": {method: {**per, "step_ms": per["step_ms"] * s}},
                 "live_steps": steps, "live_scale": round(s, 4)}
+
+    def costs_now(self, fit: dict[str, Any], trees: list[str]) -> dict[str, Any] | None:
+        """What `fit.fit_task` needs to refit at the costs of now: per tree of `trees` (names, in the
+        bank's order) its step cost now (`curve`), Hydra's baseline tree's, the prefill per token and
+        the heads' chain to each depth scaled by the one-node step's scale; which trees were measured;
+        None before any step of the fit's trees was timed."""
+        known = self.scales(fit)
+        if not known:
+            return None
+        curve, base = self.curve(fit), fit.get("baseline") or {}
+        one = self.scale_at(fit, 1, known)
+        return {"step_ms": [curve[name]["now_ms"] for name in trees],
+                "baseline_ms": base["step_ms"] * self.scale_at(fit, base["n_nodes"], known) if base else None,
+                "prefill_ms_per_token": fit.get("prefill_ms_per_token", 0.0) * self.prefill_scale(fit),
+                "chain_ms": [c * one for c in (fit.get("chain_ms") or ())],
+                "measured": [name for name in trees if curve[name]["source"] == "measured"]}
 
     def snapshot(self, fit: dict[str, Any]) -> dict[str, Any]:
         """What a record or the page shows: the trees' costs now beside the fit's, and the scales."""

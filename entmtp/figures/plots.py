@@ -248,6 +248,29 @@ def usage_figure(records: Sequence[StepRecord], height: int = 320) -> go.Figure:
     return _layout(fig, title, height, sub, legend="inside", showlegend=False)
 
 
+def step_cost_figure(history: Sequence[tuple[float, str, int, int, float]], fitted: dict[str, float] | None = None,
+                     height: int = 320) -> go.Figure:
+    """Step cost over time on this machine (`LiveCosts.history`: seconds ago, tree, nodes, context,
+    ms), one marker series per tree, and dotted lines at the fit's cost of the trees that ran."""
+    title, sub = "Step cost on this machine, over time", "every decode step timed lately, by tree; dotted: what the fit measured"
+    if not history:
+        return empty_figure(title, "Race once: each step's cost appears here.", height, sub)
+    fig = go.Figure()
+    trees = sorted({(nodes, tree) for _, tree, nodes, _, _ in history})
+    for k, (nodes, tree) in enumerate(trees):
+        rows = [h for h in history if h[1] == tree]
+        color = _tree_color(k)
+        fig.add_trace(go.Scattergl(x=[-ago for ago, *_ in rows], y=[ms for *_, ms in rows], mode="markers", name=f"{tree} ({nodes} nodes)",
+                                   marker=dict(size=4, color=color),
+                                   customdata=[ctx for _, _, _, ctx, _ in rows],
+                                   hovertemplate=f"{tree}: %{{y:.2f}} ms at %{{customdata}} tokens of context, %{{x:.0f}} s<extra></extra>"))
+        if fitted and tree in fitted:
+            fig.add_hline(y=fitted[tree], line=dict(color=color, dash="dot", width=1))
+    fig.update_xaxes(title_text="seconds (0: now)")
+    fig.update_yaxes(title_text="ms a step (log scale)", type="log")  # a busy spell's steps 10x dearer stay readable beside the rest
+    return _layout(fig, title, height, sub)
+
+
 def counterfactual_figure(cf: dict | None, height: int = 360) -> go.Figure:
     """Every bank tree's accepted length at every step of a race's output (a heatmap), with the tree
     the policy picked and the one a policy with foresight would have picked."""

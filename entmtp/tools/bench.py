@@ -107,6 +107,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
             )
             if id(res) in foreseen and res.new_tokens:
                 rows[-1]["live_predicted_seconds"] = res.new_tokens / foreseen[id(res)]
+    seen_live = {task: live.snapshot(fit) for task, fit in fits.items()}  # the trees' costs as the timed runs ended
     if "hf" in methods and rt.served_differs():  # the oracle: generate on the model as served, untimed
         for i, (task, ids) in enumerate(encoded):
             rows.append({"prompt": i, "task": task, "method": "oracle", "token_ids": collect(rt.run("oracle", task, ids, gen)).token_ids})
@@ -119,7 +120,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
                 pass
     predicted = {task: fit.get("predicted_tokens_per_s", {}) for task, fit in fits.items()}
     return {"results": aggregate(rows, methods, predicted), "per_prompt": rows,
-            "live_costs": {task: live.snapshot(fit) for task, fit in fits.items()}}
+            "live_costs": seen_live}
 
 
 def _live_prediction(live: LiveCosts, fit: dict | None, method: str, prompt_tokens: int, budget: int) -> float | None:

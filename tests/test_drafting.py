@@ -189,6 +189,17 @@ def test_a_token_from_outside_the_draft_vocabulary_goes_first_on_the_spine(model
             assert isinstance(chain, Chain)
 
 
+def q4_1_heads(model, packed: bool):
+    """Random Hydra heads on Q4_1 blocks: as modules, or packed (the extension's `HeadChain`)."""
+    heads = random_heads(model, "hydra")
+    heads.blocks = "q4_1"
+    if packed:
+        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+        assert heads._chain is not None
+    return heads
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_chain_that_settles_stops_where_reading_head_by_head_stops(model, packed):
     """`top1_chain(..., settle=(p0, t, strict))` runs the heads up to the first whose path value
@@ -197,12 +208,7 @@ def test_a_chain_that_settles_stops_where_reading_head_by_head_stops(model, pack
     stopping there, as the engine's policy did."""
     from entmtp.spec.policy import path_value
 
-    heads = random_heads(model, "hydra")
-    heads.blocks = "q4_1"
-    if packed:
-        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
-        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
-        assert heads._chain is not None
+    heads = q4_1_heads(model, packed)
     stops = []
     with torch.inference_mode():
         for root, feature in features(model, heads, 6):
@@ -231,12 +237,7 @@ def test_a_read_chain_goes_on_to_the_depth_of_the_tree_its_value_picks(model, pa
     chain's: the tree's own chain, not run again."""
     from entmtp.spec.policy import path_value
 
-    heads = random_heads(model, "hydra")
-    heads.blocks = "q4_1"
-    if packed:
-        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
-        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
-        assert heads._chain is not None
+    heads = q4_1_heads(model, packed)
     seen = set()
     with torch.inference_mode():
         for root, feature in features(model, heads, 5):

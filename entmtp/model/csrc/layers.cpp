@@ -467,7 +467,8 @@ void keep_entries(std::vector<at::Tensor> buffers, int64_t past, std::vector<int
 // torch.argmax of n floats: the index of the first maximal one (also torch.max(dim)'s index, so
 // its value is the maximum's bits), in two vector passes: the maximum, then the first element
 // equal to it. A NaN anywhere goes to at::argmax (whose NaN is the maximum).
-int64_t argmax_row(const float* p, int64_t n) {
+// The maximum of n floats in one vector pass (8 lanes, then the tail), and whether any is NaN.
+static float max_row(const float* p, int64_t n, bool& has_nan) {
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -479,14 +480,21 @@ int64_t argmax_row(const float* p, int64_t n) {
   _mm256_store_ps(lanes, mx);
   float best = lanes[0];
   for (int l = 1; l < 8; ++l) best = lanes[l] > best ? lanes[l] : best;
-  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  has_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t j = i; j < n; ++j) {
     if (std::isnan(p[j])) has_nan = true;
     else if (p[j] > best) best = p[j];
   }
+  return best;
+}
+
+int64_t argmax_row(const float* p, int64_t n) {
+  bool has_nan = false;
+  const float best = max_row(p, n, has_nan);
   if (has_nan) return at::argmax(at::from_blob(const_cast<float*>(p), {n}, at::kFloat)).item<int64_t>();
   const __m256 b = _mm256_set1_ps(best);
-  for (i = 0; i + 8 <= n; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), b, _CMP_EQ_OQ));
     if (mask) return i + __builtin_ctz(mask);
   }
@@ -542,24 +550,10 @@ std::tuple<double, double> confidence(at::Tensor z) {
   TORCH_CHECK(z.scalar_type() == at::kFloat && z.device().is_cpu() && z.numel() > 0, "confidence: float32 logits on the CPU");
   z = z.contiguous();
   const float* p = z.data_ptr<float>();
-  const int64_t n = z.numel(), whole = n / 8 * 8;
+  const int64_t n = z.numel();
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const float inf = std::numeric_limits<float>::infinity();
-  __m256 mx = _mm256_set1_ps(-inf), bad = _mm256_setzero_ps();
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256 v = _mm256_loadu_ps(p + i);
-    mx = _mm256_max_ps(mx, v);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mx);
-  float m = lanes[0];
-  for (int l = 1; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
-  bool has_nan = _mm256_movemask_ps(bad) != 0;
-  for (int64_t j = whole; j < n; ++j) {
-    if (std::isnan(p[j])) has_nan = true;
-    else if (p[j] > m) m = p[j];
-  }
+  bool has_nan = false;
+  const float m = max_row(p, n, has_nan);
   if (has_nan || std::isinf(m)) return {nan, nan};  // a NaN, +inf, or every input -inf: ATen's softmax is NaN
   const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-88.3762626647949f);
   __m256d S = _mm256_setzero_pd(), T = _mm256_setzero_pd();

@@ -28,6 +28,7 @@ class Clock:
 def test_with_nothing_recent_the_fit_stands():
     live = LiveCosts()
     assert live.scales(FIT) == [] and live.scale_at(FIT, 4) == 1.0 and live.prefill_scale(FIT) == 1.0
+    assert live.departure(FIT) is None
     for method in ("ar", "entmtp-tau"):
         assert live.predict(FIT, method, 50, 100) == pytest.approx(predict(FIT, method, 50, 100))
     assert {v["source"] for v in live.curve(FIT).values()} == {"fitted"}
@@ -59,6 +60,9 @@ def test_trees_run_lately_are_priced_at_their_steps_and_the_rest_carry_their_sca
     s3 = 2.0 + 2.0 / 3
     tau_step = (13.0 + (0.01 + 0.04 * 2 / 63) * (100 - 192)) * s3
     assert live.predict(FIT, "entmtp-tau", 50, 100) == pytest.approx(100 / (prefill_ms(50) * 2.0 + 50 * tau_step) * 1e3)
+    # the shape departs from the fit's: n4 is 1.5x dearer relative to a plain step than the fit said
+    assert live.departure(FIT) == pytest.approx(0.5)
+    assert live.snapshot(FIT)["departure"] == 0.5
     # the same prediction from the fit priced now, which a page keeps while the costs move on
     for method in ("ar", "entmtp-tau"):
         priced = live.priced(FIT, method)
@@ -101,3 +105,16 @@ def test_a_decode_passes_through_observed():
     steps = list(live._steps["n2-d1"])
     assert [ctx for _, _, ctx, _ in steps] == [192, 193, 195] and [ms for *_, ms in steps] == [11.0, 12.0, 13.0]
     assert live.prefill_scale(FIT) == pytest.approx(1.0) and len(live._prefills) == 1
+
+
+def test_a_uniform_change_departs_nothing():
+    """Every tree twice as dear: the policy's choice cannot change (every tokens/s halves), so the
+    shape has not departed; the one-node tree 2x and the four-node 2.2x: it has, by 10%."""
+    live = LiveCosts()
+    for _ in range(4):
+        live.observe("n1-d0", 1, 192, 20.0)
+        live.observe("n4-d3", 4, 192, 28.0)
+    assert live.departure(FIT) == pytest.approx(0.0)
+    for _ in range(32):
+        live.observe("n4-d3", 4, 192, 30.8)
+    assert live.departure(FIT) == pytest.approx(0.1)

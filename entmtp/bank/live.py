@@ -206,10 +206,24 @@ class LiveCosts:
                 "chain_ms": [c * one for c in (fit.get("chain_ms") or ())],
                 "measured": [name for name in trees if curve[name]["source"] == "measured"]}
 
+    def departure(self, fit: dict[str, Any]) -> float | None:
+        """How far the shape of the costs now is from the fit's: the largest relative change, over the
+        trees run lately, of their cost over a plain step's (each scale over the one-node scale,
+        measured or carried). A uniform change of every cost leaves it 0 and changes no policy (every
+        tokens/s scales alike); a refit can only pay where this is large. None with fewer than two
+        trees run lately."""
+        known = self.scales(fit)
+        if len({n for n, _, _ in known}) < 2:
+            return None
+        one = self.scale_at(fit, 1, known)
+        return max(abs(s / one - 1) for _, s, _ in known)
+
     def snapshot(self, fit: dict[str, Any]) -> dict[str, Any]:
-        """What a record or the page shows: the trees' costs now beside the fit's, and the scales."""
+        """What a record or the page shows: the trees' costs now beside the fit's, the scales, and
+        how far their shape departs from the fit's."""
+        gone = self.departure(fit)
         return {"trees": self.curve(fit), "scales": {name: round(s, 4) for _, s, name in self.scales(fit)},
-                "prefill_scale": round(self.prefill_scale(fit), 4)}
+                "prefill_scale": round(self.prefill_scale(fit), 4), "departure": None if gone is None else round(gone, 4)}
 
 
 def _nodes_of(name: str) -> int | None:

@@ -105,7 +105,7 @@ def make_race(service: Service):
             # on ZeroGPU the steps run in the GPU worker: the page's runtime observes them from the deltas
             # (its live costs are what the next race's worker starts from); elsewhere `start` observed them
             prompt_tokens = len(rt.encode(req.prompt)) if gpu.zero_gpu() else None
-            ent, base = (Side(name, forecast=f, forecast_tokens=prompt_tokens) for name, f in zip(head["names"], head["forecasts"]))
+            ent, base = (Side(name, forecast=f, prompt_tokens=prompt_tokens) for name, f in zip(head["names"], head["forecasts"]))
             pol = head["policy"]
             shipped = "" if head["fitted"] else ("  \n<small>⚠️ with the bank's shipped fit: this machine's fit is "
                                                  "being measured in the background (Bank tab)</small>")

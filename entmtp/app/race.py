@@ -269,7 +269,7 @@ class Side:
     done: bool = False
     cut: str = ""  # why the race ended this side early, if it did
     forecast: dict[str, Any] | None = None  # what `forecast` returns: the prediction for this prompt
-    forecast_tokens: int | None = None  # the prompt's tokens, where the page observes this side's steps (`apply`)
+    prompt_tokens: int | None = None  # where the page observes this side's steps (`apply`): the prompt's length
     _sent: tuple[int, int, int] = (0, 0, 0)  # records, ids and spans already in a delta
 
     def advance(self, rt: Runtime) -> None:
@@ -304,8 +304,8 @@ class Side:
     def apply(self, delta: dict[str, Any], live: LiveCosts | None = None) -> None:
         """Take in a delta; with `live`, its steps are observed there (the page's runtime, where
         the steps ran in another process: ZeroGPU's worker)."""
-        if live is not None and self.forecast_tokens is not None:
-            for _ in live.observe_run(delta["records"], self.forecast_tokens, len(self.ids)):
+        if live is not None and self.prompt_tokens is not None:
+            for _ in live.observe_run(delta["records"], self.prompt_tokens, len(self.ids)):
                 pass
         self.records += delta["records"]
         self.ids += delta["ids"]

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from entmtp.bank.predict import NoPrediction, prefill_ms, slope
+from entmtp.bank.predict import NoPrediction, predict, prefill_ms, slope
 
 WINDOW = 32  # steps kept per tree
 HISTORY = 4000  # steps kept in order, for a chart of step cost over time
@@ -92,7 +92,8 @@ class LiveCosts:
         return statistics.median(ms - (slope(cost, nodes) * (ctx - at) if cost else 0.0) for _, nodes, ctx, ms in rows)
 
     def fitted_ms(self, fit: dict[str, Any], tree: str) -> tuple[int, float] | None:
-        """(nodes, the fit's step cost) of a tree of the fit (its bank's, or its Hydra baseline)."""
+        """(nodes, the fit's step cost) of a tree of the fit: its bank's, its Hydra baseline, or `ar`
+        (plain decoding's steps, named after the method: the one-node tree at `ar`'s cost)."""
         base = fit.get("baseline") or {}
         if tree == base.get("name"):
             return int(base["n_nodes"]), float(base["step_ms"])
@@ -109,7 +110,7 @@ class LiveCosts:
 
     def scales(self, fit: dict[str, Any]) -> list[tuple[int, float, str]]:
         """(nodes, now / fitted, tree) for each of the fit's trees run lately, by node count."""
-        names = list(fit.get("trees") or {}) + ([fit["baseline"]["name"]] if fit.get("baseline") else []) + ["ar"]
+        names = dict.fromkeys([*(fit.get("trees") or {}), *([fit["baseline"]["name"]] if fit.get("baseline") else []), "ar"])
         out = []
         for name in names:
             fitted, now = self.fitted_ms(fit, name), self.tree_ms(fit, name)
@@ -162,22 +163,15 @@ class LiveCosts:
 
     def predict(self, fit: dict[str, Any], method: str, prompt_tokens: int, new_tokens: int) -> float:
         """`bank.predict` at the costs of now: tokens/s of `method` for this prompt, its steps at
-        the fit's per-method cost scaled by the trees' recent scale, its prefill by the prefills'."""
-        cost, per = fit.get("context_cost"), (fit.get("per_method") or {}).get(method)
-        if not cost or not per:
-            raise NoPrediction(f"the fit has no {'per-method costs' if cost else 'context cost'} for {method}: refit the bank")
-        n = max(1, new_tokens)
-        context = prompt_tokens + n / 2
-        s = self.scale_at(fit, per["nodes"])
-        step = (per["step_ms"] + slope(cost, per["nodes"]) * (context - fit["context"])) * s
-        ms = prefill_ms(cost, prompt_tokens) * self.prefill_scale(fit) + n / per["mean_accepted"] * max(step, 1e-3)
-        return n / ms * 1e3
+        the fit's per-method cost scaled by the trees' recent scale, its prefill by the prefills'
+        (the fit as `priced` prices it)."""
+        return predict(self.priced(fit, method), method, prompt_tokens, new_tokens)
 
     def priced(self, fit: dict[str, Any], method: str) -> dict[str, Any]:
         """What `bank.predict` needs of the fit for `method`, priced at the costs of this moment: its
         per-method step cost and the context slope times the step scale at its mean tree size, the
-        prefill line times the prefills' scale (so that `predict(priced, ...)` is `self.predict`
-        now, and stays so while the costs move on). `live_steps`: the recent steps it rests on."""
+        prefill line times the prefills' scale (what `self.predict` reads now, kept as it was while
+        the costs move on). `live_steps`: the recent steps it rests on."""
         cost, per = fit.get("context_cost"), (fit.get("per_method") or {}).get(method)
         if not cost or not per:
             raise NoPrediction(f"the fit has no {'per-method costs' if cost else 'context cost'} for {method}: refit the bank")

@@ -126,7 +126,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
 def _live_prediction(live: LiveCosts, fit: dict | None, method: str, prompt_tokens: int, budget: int) -> float | None:
     """Tokens/s the fit predicts for `method` on this prompt at its budget, priced at the live costs
     of this moment (`LiveCosts.predict`); None where the fit predicts no such method."""
-    if not fit or method not in (fit.get("per_method") or {}):
+    if not fit:
         return None
     try:
         return live.predict(fit, method, prompt_tokens, budget)

@@ -407,7 +407,9 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             fitted = {name: t["step_ms"] for name, t in (bank.fit.get("trees") or {}).items()} if bank is not None else {}
             if bank is not None and "ar" in (bank.fit.get("per_method") or {}):
                 fitted["ar"] = bank.fit["per_method"]["ar"]["step_ms"]
-            return plots.step_cost_figure(rt.live.history() if rt is not None else [], fitted)
+            task = bank.meta.get("task") if bank is not None else None
+            marks = rt.live_fit(task).marks_ago() if rt is not None and task and rt.live_fit(task) is not None else []
+            return plots.step_cost_figure(rt.live.history() if rt is not None else [], fitted, refits=marks)
 
         def show(task, model, choice="here", r=0.1):
             """The race column's note and τ sliders (the bank as races use it), and the Bank tab."""

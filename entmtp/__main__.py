@@ -63,6 +63,8 @@ def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
     if fit:
         p.add_argument("--no-calibrate", action="store_true",
                        help="use the fit shipped in the bank file instead of this machine's (no timing run)")
+        p.add_argument("--no-refit", action="store_true",
+                       help="serve EntMTP's policies as fitted: no refit at the live step costs, no probe steps")
     p.add_argument("--model", default=d.model, help="default alias, hub id or local path (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
@@ -87,8 +89,10 @@ def _runtime(args: argparse.Namespace):
     none is cached) unless --no-calibrate asks for the fit shipped in the bank file."""
     from entmtp.runtime.runtime import load_runtime
 
-    return load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir,
-                        fit_mode="shipped" if args.no_calibrate else "auto", progress=_progress)
+    rt = load_runtime(model_config(args), args.heads, args.medusa_heads, args.banks_dir,
+                      fit_mode="shipped" if args.no_calibrate else "auto", progress=_progress)
+    rt.follow_live = not getattr(args, "no_refit", False)  # refits at the live costs while serving (`bank.refit`)
+    return rt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +267,7 @@ def set_counts(text: str) -> tuple:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from entmtp.bank.refit import policy_text
     from entmtp.data.prompts import read_prompt_file
     from entmtp.spec.engine import collect
 
@@ -285,7 +290,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         res = collect(rt.run(args.method, it["task"], ids, gen))
         text = rt.decode(res.token_ids)
         if args.json:
-            print(json.dumps(res.json(it["prompt"], args.method, it["task"], text), ensure_ascii=False), flush=True)
+            out = res.json(it["prompt"], args.method, it["task"], text)
+            served = rt.live_fit(it["task"]) if args.method.startswith("entmtp-") else None
+            if served is not None:  # the policy served at the end, and the live costs it was last fitted against
+                out["live"] = {"policy": policy_text(served.fit["policies"], args.method.split("-", 1)[1]),
+                               "refitted": "refit" in served.fit, **rt.live.snapshot(served.fit)}
+            print(json.dumps(out, ensure_ascii=False), flush=True)
         else:
             print(text, flush=True)
             print(

@@ -26,7 +26,7 @@ class Clock:
 
 
 def test_with_nothing_recent_the_fit_stands():
-    live = LiveCosts()
+    live = LiveCosts(min_steps=4)
     assert live.scales(FIT) == [] and live.scale_at(FIT, 4) == 1.0 and live.prefill_scale(FIT) == 1.0
     assert live.departure(FIT) is None
     for method in ("ar", "entmtp-tau"):
@@ -40,7 +40,7 @@ def test_trees_run_lately_are_priced_at_their_steps_and_the_rest_carry_their_sca
     tree's own median, brought to the fit's context along its slope; n2 (not run) carries the
     scale interpolated by node count, n9 the nearest's beyond."""
     clock = Clock()
-    live = LiveCosts(clock=clock)
+    live = LiveCosts(clock=clock, min_steps=4)
     for ctx in (100, 150, 200, 250, 300):
         live.observe("n1-d0", 1, ctx, 2.0 * 10.0 + 0.01 * (ctx - 192))
         live.observe("n4-d3", 4, ctx, 3.0 * 14.0 + (0.01 + 0.04 * 3 / 63) * (ctx - 192))
@@ -81,7 +81,7 @@ def prefill_ms(n):
 
 
 def test_prefills_and_the_baseline_tree_are_priced_too():
-    live = LiveCosts()
+    live = LiveCosts(min_steps=4)
     for n in (32, 64, 128, 192):
         live.observe_prefill(n, 1.5 * prefill_ms(n))
         live.observe("mc_sim_7b_63", 64, 192, 90.0)
@@ -89,28 +89,37 @@ def test_prefills_and_the_baseline_tree_are_priced_too():
     assert live.scales(FIT) == [(64, pytest.approx(1.5), "mc_sim_7b_63")]
     for _ in range(4):  # plain decoding's steps, named after the method, price the one-node tree
         live.observe("ar", 1, 192, 25.0)
-    assert live.scales(FIT)[0] == (1, 2.5, "ar") and live.scale_at(FIT, 1) == 2.5
+    assert live.scales(FIT)[0] == (1, 2.5, "n1-d0") and live.scale_at(FIT, 1) == 2.5  # one pool with the one-node tree
     live.observe("n1-d0", 1, 192, 0.0)  # a zero reading is no reading
     live.observe("no-such-tree", 3, 192, 5.0)  # a tree outside the fit is kept, priced by no fit
-    assert [name for _, _, name in live.scales(FIT)] == ["ar", "mc_sim_7b_63"]
+    assert [name for _, _, name in live.scales(FIT)] == ["n1-d0", "mc_sim_7b_63"]
 
 
 def test_a_decode_passes_through_observed():
     """`observe_run` yields the records unchanged, each step observed at the context it verified at
     (the prompt and the tokens emitted before it), and the prefill once."""
     live = LiveCosts(min_steps=1)
-    records = [SimpleNamespace(step=k + 1, tree="n2-d1", tree_nodes=2, tokens=[7] * (k + 1), step_ms=11.0 + k, prefill_ms=30.0)
-               for k in range(3)]
+    records = [SimpleNamespace(step=k + 1, tree="n2-d1", tree_nodes=2, tokens=[7] * (k + 1), step_ms=11.0 + k, prefill_ms=30.0,
+                               tree_depth=1, heads_read=k + 1) for k in range(3)]
     assert list(live.observe_run(iter(records), 192)) == records
     steps = list(live._steps["n2-d1"])
-    assert [ctx for _, _, ctx, _ in steps] == [192, 193, 195] and [ms for *_, ms in steps] == [11.0, 12.0, 13.0]
+    # the first step follows no step of its tree (here: the prefill) and is not timed, as `calibrate` times none such
+    assert [ctx for _, _, ctx, *_ in steps] == [193, 195] and [ms for *_, ms, _, _ in steps] == [12.0, 13.0]
+    assert [(d, b) for *_, d, b in steps] == [(1, 1), (1, 2)]  # heads the feature read past the tree's depth
+    # priced against a fit, a step is taken the fit's chain past the tree's depth off (its trees were timed reading none)
+    chained = {**FIT, "context_cost": None, "chain_ms": [0.0, 0.3, 0.5, 0.7]}
+    assert live.tree_ms(chained, "n2-d1") == pytest.approx((12.0 - 0.2 + 13.0 - 0.4) / 2)
+    switched = [SimpleNamespace(**{**vars(r), "tree": t}) for r, t in zip(records, ("n4-d3", "n2-d1", "n2-d1"))]
+    live = LiveCosts(min_steps=1)
+    list(live.observe_run(iter(switched), 192, last="n4-d3"))  # a piece of a decode whose last step was n4-d3
+    assert [ms for *_, ms, _, _ in live._steps["n4-d3"]] == [11.0] and [ms for *_, ms, _, _ in live._steps["n2-d1"]] == [13.0]
     assert live.prefill_scale(FIT) == pytest.approx(1.0) and len(live._prefills) == 1
 
 
 def test_a_uniform_change_departs_nothing():
     """Every tree twice as dear: the policy's choice cannot change (every tokens/s halves), so the
     shape has not departed; the one-node tree 2x and the four-node 2.2x: it has, by 10%."""
-    live = LiveCosts()
+    live = LiveCosts(min_steps=4)
     for _ in range(4):
         live.observe("n1-d0", 1, 192, 20.0)
         live.observe("n4-d3", 4, 192, 28.0)

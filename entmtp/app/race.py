@@ -305,7 +305,7 @@ class Side:
         """Take in a delta; with `live`, its steps are observed there (the page's runtime, where
         the steps ran in another process: ZeroGPU's worker)."""
         if live is not None and self.prompt_tokens is not None:
-            for _ in live.observe_run(delta["records"], self.prompt_tokens, len(self.ids)):
+            for _ in live.observe_run(delta["records"], self.prompt_tokens, len(self.ids), self.records[-1].tree if self.records else None):
                 pass
         self.records += delta["records"]
         self.ids += delta["ids"]
@@ -358,7 +358,17 @@ class Side:
         slow = self.slowdown() if self.done else None
         busy = (f"; ⚠️ its steps took {slow:.1f}× what calibrating measured for the same trees here: something else used "
                 "the machine meanwhile (on a CPU, a browser on the same machine drawing this page counts)") if slow and slow >= SLOW_RATIO else ""
-        return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + busy + "</small>"
+        return f"{head}{line}  \n<small>{detail}" + (f"; {said}" if said else "") + busy + "</small>" + self.live_line()
+
+    def live_line(self) -> str:
+        """The refits at the live costs during this side's decode and its probe steps, in words ("" without any)."""
+        refits = [r for r in self.records if r.refit]
+        probes = sum(r.probe for r in self.records)
+        parts = [f"🔁 step {r.step}: {r.refit['why']}; refitted in {r.refit['refit_ms']:.1f} ms: "
+                 + (f"{r.refit['old']} → **{r.refit['new']}**" if r.refit["changed"] else f"kept {r.refit['old']}") for r in refits]
+        if probes:
+            parts.append(f"{probes} step(s) timed a tree not run lately (a probe of the live costs; the output is the same)")
+        return ("  \n<small>" + "  \n".join(parts) + "</small>") if parts else ""
 
 
 def forecast(bank: TopologyBank, method: str, prompt_tokens: int, budget: int, live: LiveCosts | None = None) -> dict[str, Any] | None:
@@ -397,9 +407,15 @@ def badge(ent: Side, base: Side, temperature: float) -> str:
 def start(rt: Runtime, req: Request, bank: TopologyBank, lock: threading.Lock) -> tuple[Side, Side, Policy]:
     """Both sides ready to step, with their kernels built off the clocks. `lock` is the runtime's
     (`Models.runtime_lock`): races set up on one runtime one at a time."""
+    # the bank as served now (its policies refitted at the live costs, `bank.refit`), where the race
+    # runs the task's own bank with its fitted policy; a τ of the visitor's own is left as chosen
+    served = rt.served(req.task) if req.tau is None and rt.follow_live and rt.serves(req.task, bank) else None
+    bank = served.served if served is not None else bank
     policy, label = entmtp_policy(bank, req)
+    method = f"entmtp-{req.policy}"
     with lock:  # heads load lazily inside the runtime
-        ent_s = Strategy(f"entmtp-{req.policy}", bank, policy, rt.heads("hydra"), *rt.book_for(bank))  # the phrasebook: built once, here
+        ent_s = Strategy(method, bank, policy, rt.heads("hydra"), *rt.book_for(bank),  # the phrasebook: built once, here
+                         serving=served.session(method) if served is not None else None)
         base_s = rt.strategy(req.baseline, req.task)
         if rt.engine.device.type == "cuda" or rt.model.dtype != torch.float32:
             # the first forward of each new shape builds kernels: keep that off both clocks

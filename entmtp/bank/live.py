@@ -39,19 +39,21 @@ class LiveCosts:
     def __init__(self, window: int = WINDOW, min_steps: int = MIN_STEPS, max_age_s: float = MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic):
         self.window, self.min_steps, self.max_age_s, self.clock = window, min_steps, max_age_s, clock
-        self._steps: dict[str, deque] = {}  # tree name -> (t, nodes, context, ms)
+        self._steps: dict[str, deque] = {}  # tree name -> (t, nodes, context, ms, depth, heads read past it)
         self._prefills: deque = deque(maxlen=window)  # (t, prompt tokens, ms)
         self._history: deque = deque(maxlen=HISTORY)  # (t, tree, nodes, context, ms), every step in order
         self._lock = threading.Lock()
 
     # -- what ran ----------------------------------------------------------------------------------
-    def observe(self, tree: str, nodes: int, context: int, step_ms: float) -> None:
-        """One decode step: its tree, the tokens it attended to, its wall time."""
+    def observe(self, tree: str, nodes: int, context: int, step_ms: float, depth: int = 0, beyond: int = 0) -> None:
+        """One decode step: its tree, the tokens it attended to, its wall time; `depth`: the tree's,
+        `beyond`: heads the policy's feature read past it (their chain is taken off when the step is
+        priced against a fit, whose trees were timed reading none)."""
         if step_ms <= 0:
             return
         with self._lock:
             t = self.clock()
-            self._steps.setdefault(tree, deque(maxlen=self.window)).append((t, int(nodes), int(context), float(step_ms)))
+            self._steps.setdefault(tree, deque(maxlen=self.window)).append((t, int(nodes), int(context), float(step_ms), int(depth), int(beyond)))
             self._history.append((t, tree, int(nodes), int(context), float(step_ms)))
 
     def observe_prefill(self, prompt_tokens: int, ms: float) -> None:
@@ -59,16 +61,31 @@ class LiveCosts:
             with self._lock:
                 self._prefills.append((self.clock(), int(prompt_tokens), float(ms)))
 
-    def observe_run(self, records, prompt_tokens: int, produced: int = 0):
+    def observe_run(self, records, prompt_tokens: int, produced: int = 0, last: str | None = None):
         """Pass a decode's step records through (a generator), observing each: the steps' costs,
-        each at the context it verified at, and the prefill's. `produced`: tokens the decode emitted
-        before these records (records that arrive in pieces, from another process)."""
+        each at the context it verified at, and the prefill's. A step right after a step of another
+        tree is not observed (it pays for that tree's leftovers in the caches; `calibrate` does not
+        time it either). `produced`: tokens the decode emitted before these records, `last`: the tree
+        of the step before them (records that arrive in pieces, from another process)."""
         for r in records:
             if r.step == 1:
                 self.observe_prefill(prompt_tokens, r.prefill_ms)
-            self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms)
+            after, last = last, r.tree
+            if after != r.tree:
+                produced += len(r.tokens)
+                yield r
+                continue
+            depth = getattr(r, "tree_depth", 0)
+            self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms, depth, max(0, getattr(r, "heads_read", 0) - depth))
             produced += len(r.tokens)
             yield r
+
+    def clear(self) -> None:
+        """Forget every step and prefill timed so far."""
+        with self._lock:
+            self._steps.clear()
+            self._prefills.clear()
+            self._history.clear()
 
     def history(self) -> list[tuple[float, str, int, int, float]]:
         """Every step kept, in order: (seconds ago, tree, nodes, context, ms)."""
@@ -84,12 +101,19 @@ class LiveCosts:
     def tree_ms(self, fit: dict[str, Any], tree: str) -> float | None:
         """The tree's step cost now at the fit's context: the median of its recent steps, each moved
         to that context along the fit's slope; None where it has fewer than `min_steps` recent ones."""
-        with self._lock:
-            rows = self._recent(self._steps.get(tree, ()))
+        one = _one_node(fit)
+        with self._lock:  # plain decoding's steps and the one-node tree's are one pool: the same step (docs/banks.md)
+            pool = [*self._steps.get(one, ()), *self._steps.get("ar", ())] if one is not None and tree in (one, "ar") else self._steps.get(tree, ())
+            rows = self._recent(pool)
         if len(rows) < self.min_steps:
             return None
-        cost, at = fit.get("context_cost"), fit.get("context", 0)
-        return statistics.median(ms - (slope(cost, nodes) * (ctx - at) if cost else 0.0) for _, nodes, ctx, ms in rows)
+        cost, at, chain = fit.get("context_cost"), fit.get("context", 0), fit.get("chain_ms") or [0.0]
+        top = len(chain) - 1
+
+        def heads(depth: int, beyond: int) -> float:  # the chain past the tree's depth, at the fit's cost
+            return chain[min(depth + beyond, top)] - chain[min(depth, top)] if beyond else 0.0
+
+        return statistics.median(ms - (slope(cost, nodes) * (ctx - at) if cost else 0.0) - heads(d, b) for _, nodes, ctx, ms, d, b in rows)
 
     def fitted_ms(self, fit: dict[str, Any], tree: str) -> tuple[int, float] | None:
         """(nodes, the fit's step cost) of a tree of the fit: its bank's, its Hydra baseline, or `ar`
@@ -110,7 +134,8 @@ class LiveCosts:
 
     def scales(self, fit: dict[str, Any]) -> list[tuple[int, float, str]]:
         """(nodes, now / fitted, tree) for each of the fit's trees run lately, by node count."""
-        names = dict.fromkeys([*(fit.get("trees") or {}), *([fit["baseline"]["name"]] if fit.get("baseline") else []), "ar"])
+        plain = [] if _one_node(fit) is not None else ["ar"]  # `ar` is the one-node tree's pool where the fit has one
+        names = dict.fromkeys([*(fit.get("trees") or {}), *([fit["baseline"]["name"]] if fit.get("baseline") else []), *plain])
         out = []
         for name in names:
             fitted, now = self.fitted_ms(fit, name), self.tree_ms(fit, name)
@@ -218,6 +243,14 @@ class LiveCosts:
         gone = self.departure(fit)
         return {"trees": self.curve(fit), "scales": {name: round(s, 4) for _, s, name in self.scales(fit)},
                 "prefill_scale": round(self.prefill_scale(fit), 4), "departure": None if gone is None else round(gone, 4)}
+
+
+def _one_node(fit: dict[str, Any]) -> str | None:
+    """The fit's one-node tree (plain decoding inside a bank), or None."""
+    for name, row in (fit.get("trees") or {}).items():
+        if (row.get("nodes") or _nodes_of(name)) == 1:
+            return name
+    return None
 
 
 def _nodes_of(name: str) -> int | None:

@@ -142,7 +142,9 @@ def features_figure(
     records: Sequence[StepRecord], tau: tuple[float, float] | None = None, feature: str = "p0", height: int = 360,
     depth: int = 0,
 ) -> go.Figure:
-    """Per step: the confidence s and the entropy (top), and the tree the policy picked (bottom).
+    """Per step: the confidence s and the entropy (top), and the tree the policy picked with the
+    step's wall time (bottom); a refit at the live costs (`bank.refit`) is a vertical line labelled
+    with the policy it chose.
 
     `feature` names what the policy reads (`depth`: the heads its path value reads, 0 if unknown);
     `tau` = (tau_on, tau_off) draws its hysteresis thresholds on that feature's axis (all features
@@ -155,7 +157,7 @@ def features_figure(
         return empty_figure(title, "The scheduler's feature and choice per step appear here.", height, sub)
     fig = make_subplots(
         rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38], vertical_spacing=0.06,
-        specs=[[{"secondary_y": True}], [{}]],
+        specs=[[{"secondary_y": True}], [{"secondary_y": True}]],
     )
     steps = [r.step for r in records]
     fig.add_trace(
@@ -208,7 +210,22 @@ def features_figure(
             ),
             row=2, col=1,
         )
+    fig.add_trace(
+        go.Scatter(
+            x=steps, y=[r.step_ms for r in records], mode="lines", name="step ms (wall time)",
+            line=dict(color="#868e96", width=1.2), hovertemplate="step %{x}: %{y:.2f} ms<extra></extra>",
+        ),
+        row=2, col=1, secondary_y=True,
+    )
+    for r in records:
+        if r.refit:
+            what = r.refit["new"] if r.refit.get("changed") else "kept " + r.refit["old"]
+            for row in (1, 2):
+                fig.add_vline(x=r.step - 0.5, row=row, col=1, line=dict(color="#e8590c", width=1.5, dash="dash"))
+            fig.add_annotation(x=r.step - 0.5, y=1.02, xref="x", yref="y domain", text=f"refit: {what}", showarrow=False,
+                               xanchor="left", font=dict(size=10, color="#e8590c"))
     fig.update_layout(barmode="overlay", bargap=0.1)
+    fig.update_yaxes(title_text="ms", secondary_y=True, row=2, col=1, showgrid=False, rangemode="tozero")
     fig.update_yaxes(title_text="s", range=[0, 1.05], row=1, col=1)
     top = max([r.entropy for r in records] + [1.0])
     fig.update_yaxes(title_text="entropy", secondary_y=True, row=1, col=1, showgrid=False, range=[0, 1.05 * top])
@@ -249,9 +266,10 @@ def usage_figure(records: Sequence[StepRecord], height: int = 320) -> go.Figure:
 
 
 def step_cost_figure(history: Sequence[tuple[float, str, int, int, float]], fitted: dict[str, float] | None = None,
-                     height: int = 320) -> go.Figure:
+                     height: int = 320, refits: Sequence[tuple[float, str]] = ()) -> go.Figure:
     """Step cost over time on this machine (`LiveCosts.history`: seconds ago, tree, nodes, context,
-    ms), one marker series per tree, and dotted lines at the fit's cost of the trees that ran."""
+    ms), one marker series per tree, dotted lines at the fit's cost of the trees that ran, and a
+    vertical line at each refit at the live costs (seconds ago, what it chose)."""
     title, sub = "Step cost on this machine, over time", "every decode step timed lately, by tree; dotted: what the fit measured"
     if not history:
         return empty_figure(title, "Race once: each step's cost appears here.", height, sub)
@@ -266,6 +284,10 @@ def step_cost_figure(history: Sequence[tuple[float, str, int, int, float]], fitt
                                    hovertemplate=f"{tree}: %{{y:.2f}} ms at %{{customdata}} tokens of context, %{{x:.0f}} s<extra></extra>"))
         if fitted and tree in fitted:
             fig.add_hline(y=fitted[tree], line=dict(color=color, dash="dot", width=1))
+    for ago, what in refits:
+        fig.add_vline(x=-ago, line=dict(color="#e8590c", width=1.5, dash="dash"))
+        fig.add_annotation(x=-ago, y=1.0, yref="paper", text=f"refit: {what}", showarrow=False, xanchor="left",
+                           font=dict(size=10, color="#e8590c"))
     fig.update_xaxes(title_text="seconds (0: now)")
     fig.update_yaxes(title_text="ms a step (log scale)", type="log")  # a busy spell's steps 10x dearer stay readable beside the rest
     return _layout(fig, title, height, sub)

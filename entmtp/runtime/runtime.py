@@ -35,6 +35,7 @@ from entmtp.runtime.weights import LoadError, cache_root, eos_ids, load_model, m
 from entmtp.machine import fingerprint
 from entmtp.bank.calibrate import known_fit, resolve_fits
 from entmtp.bank.live import LiveCosts
+from entmtp.bank.refit import LiveFit
 from entmtp.spec.engine import Engine, StepRecord, Strategy
 from entmtp.spec.heads import DraftHeads, HeadsError, head_features
 from entmtp.spec.phrasebook import Phrasebook, Reranker, Rule
@@ -137,6 +138,9 @@ class Runtime:
     _timing: threading.Lock = field(default_factory=threading.Lock)  # one calibration at a time
     # the step costs of now on this machine, which the app's races feed and price their predictions by
     live: LiveCosts = field(default_factory=LiveCosts)
+    # whether EntMTP's policies follow the live costs while serving (refits and probes, `bank.refit`)
+    follow_live: bool = True
+    _served: dict[str, LiveFit] = field(default_factory=dict)
 
     @property
     def slug(self) -> str:
@@ -241,6 +245,28 @@ class Runtime:
         for task, fit in fits.items():
             self._banks[task] = resolve_bank(self.name, task, self.banks_dir).with_fit(fit)
 
+    def served(self, task: str) -> LiveFit:
+        """The task's bank as served now: its fit, or the last refit of it at the live costs."""
+        bank = self.bank(task)
+        got = self._served.get(task)
+        if got is None or got.bank is not bank:  # a new fit (calibrated, adopted) starts it over
+            got = self._served[task] = LiveFit(bank, self.live, self._trees.get(BASELINE_TREE) or load_named_trees(TREES_FILE)[BASELINE_TREE])
+            got.usage  # the candidates' one simulation (~0.3-0.5 s for a shipped bank), here, before any decode's clock
+        return got
+
+    def live_fit(self, task: str) -> LiveFit | None:
+        """The task's bank as served now, where a decode has served it (never loads or times anything)."""
+        return self._served.get(task)
+
+    def serves(self, task: str, bank: TopologyBank) -> bool:
+        """Whether `bank` is the task's own bank as loaded here (not a fallback, nor a what-if's)."""
+        return self._banks.get(task) is bank and bool(bank.traces)
+
+    def reset_live(self) -> None:
+        """Forget the steps timed so far and every refit: the banks' fits stand again."""
+        self.live.clear()
+        self._served.clear()
+
     def strategy(self, method: str, task: str = "chat") -> Strategy:
         """The decode-loop configuration of an engine method (see config.ENGINE_METHODS)."""
         if method not in METHODS:
@@ -258,7 +284,10 @@ class Runtime:
         bank = self.bank(task)
         book, rule = self.book_for(bank)
         try:
-            return Strategy(method, bank, bank.policy(method.split("-", 1)[1]), self.heads("hydra"), book, rule)
+            if not self.follow_live:
+                return Strategy(method, bank, bank.policy(method.split("-", 1)[1]), self.heads("hydra"), book, rule)
+            served = self.served(task)
+            return Strategy(method, bank, served.policy(method.split("-", 1)[1]), self.heads("hydra"), book, rule, served.session(method))
         except (BankError, ValueError) as e:
             raise LoadError(f"{method}: {e}") from None
 
@@ -276,7 +305,8 @@ class Runtime:
             lookup = PromptLookupConfig() if method == "hf-lookup" else None
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.engine_eos()
             return hf_generate(self.model, prompt_ids, gen, lookup, pad)
-        return self.engine.generate(prompt_ids, self.strategy(method, task), gen)
+        # every engine step is timed into the live costs, which predictions and refits read
+        return self.live.observe_run(self.engine.generate(prompt_ids, self.strategy(method, task), gen), len(prompt_ids))
 
     def served_differs(self) -> bool:
         """Whether the served arithmetic is not float32's (Q8 inputs, `--kernels q8`), so that stock

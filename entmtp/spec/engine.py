@@ -40,6 +40,9 @@ class Strategy:
     heads: DraftHeads | None = None
     book: Phrasebook | None = None  # a phrasebook's guesses go first on the drafted spine where `rule` says
     rule: Rule = PhrasebookRule()
+    # `bank.refit.Session`: asked each step whether a refit at the live costs changed the policy
+    # (`look`) and whether to time another tree this step (`probe`); None: the policy as given
+    serving: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "trees", tuple(self.trees))
@@ -79,6 +82,9 @@ class StepRecord:
     finished: bool = False
     stop_reason: str = ""
     heads_read: int = 0  # heads behind `feature` where it is the path value (fewer than the policy's depth where they settled the choice)
+    tree_depth: int = 0  # the tree's depth: heads read beyond it for the feature cost the step more (`bank.live`)
+    probe: bool = False  # the tree was timed for the live costs, not picked by the policy (`bank.refit`)
+    refit: dict[str, Any] | None = None  # a refit at the live costs before this step (when, why, old and new policy)
 
     def trace(self) -> dict[str, Any]:
         """The per-step entry of the CLI's `--json` trace (features are null for `hf` methods)."""
@@ -90,6 +96,8 @@ class StepRecord:
             "accepted": self.accepted,
             "ms": round(self.step_ms, 3),
             "phase_ms": {k: round(v, 3) for k, v in self.ms.items()},
+            **({"probe": True} if self.probe else {}),
+            **({"refit": self.refit} if self.refit else {}),
         }
 
 
@@ -177,10 +185,8 @@ class Engine:
         model, device, trees, heads = self.model, self.device, strategy.trees, strategy.heads
         sampling = gen.temperature > 0
         rng = torch.Generator().manual_seed(gen.seed)
-        choose = strategy.policy.chooser()
-        settled = getattr(choose, "settled", None)
-        settle_at = getattr(choose, "settle_at", None)  # `settled` as a bound the heads' chain stops at itself
-        outcomes = getattr(choose, "outcomes", None)  # the trees it then picks: their depths, which the chain goes on to
+        serving = strategy.serving
+        choose, settled, settle_at, outcomes, feature_name, feature_depth = _bind(strategy.policy, strategy.max_depth)
         ctx = heads.new_context() if heads is not None else None
         text = strategy.book.context(prompt_ids) if strategy.book is not None and heads is not None else None
         force = forcer(text, strategy.rule, heads.draft_vocab) if text is not None else None
@@ -197,20 +203,25 @@ class Engine:
         prefill_ms = (clock() - t_start) * 1e3
         produced, step = 0, 0
 
-        feature_name = strategy.policy.feature
-        # a policy on the path value reads g_d through its own depth (0: the deepest tree's)
-        feature_depth = min(strategy.policy.depth or strategy.max_depth, strategy.max_depth)
         # on CUDA with graphs the heads' chain and expansion replay as one graph per tree
         drafts = self.drafts if heads is not None and force is None else None  # a phrasebook's spine is decided on the host
         smallest = min(range(len(trees)), key=lambda i: trees[i].n_nodes)
         while True:
             t0 = clock()
+            refit = None
+            if serving is not None:  # the live costs departed from the fit: a refit may change the policy from here on
+                policy, refit = serving.look(step + 1)
+                if policy is not None:
+                    choose, settled, settle_at, outcomes, feature_name, feature_depth = _bind(policy, strategy.max_depth)
+            # now and then a tree not run lately is timed instead of the policy's pick, as `calibrate`
+            # times a tree: no feature read, the heads to its own depth (the policy's state stays)
+            probe = serving.probe(step + 1) if serving is not None else None
             # schedule: the policy's feature (p0, the heads' path value g_d through the policy's
             # depth, or exp(-entropy)), its tree, and the heads' top-1 path to the depth the tree needs
             s, entropy = confidence(z)
             chain, chain_probs = [], []
             chained = None  # the chain read so far (`drafting.Chain`), which a deeper read resumes
-            if feature_name == "path_value" and heads is not None:
+            if feature_name == "path_value" and heads is not None and probe is None:
                 if drafts is not None:  # one graph runs every head; the policy reads them as the eager loop does
                     chain, chain_probs = chained = drafts.top1_chain(heads, feature, root, feature_depth)
                 else:  # in one call, up to the first head whose value settles the choice (each deeper g is at most it),
@@ -222,7 +233,7 @@ class Engine:
             if settled is not None:
                 heads_read = next((d for d in range(1, heads_read + 1) if settled(path_value(s, chain_probs[:d]))), heads_read)
             feat = feature_value(feature_name, s, entropy, path_value(s, chain_probs[:heads_read]))
-            idx = choose(feat)
+            idx = choose(feat) if probe is None else probe
             if past + trees[idx].n_nodes > self.max_positions:
                 idx = smallest  # near the context end fall back to the smallest tree
             tree = trees[idx]
@@ -301,10 +312,24 @@ class Engine:
                 finished=bool(reason),
                 stop_reason=reason,
                 heads_read=heads_read,
+                tree_depth=tree.max_depth,
+                probe=probe is not None,
+                refit=refit,
             )
             if reason:
                 return
             root = next_root
+
+
+def _bind(policy: Policy, max_depth: int):
+    """(chooser, settled, settle_at, outcomes, feature, depth) of a policy as the loop reads them: the
+    chooser's own tests where it has them (`policy.Chooser`), and the heads a path-value feature reads
+    (its own depth, 0: the deepest tree's)."""
+    choose = policy.chooser()
+    settled = getattr(choose, "settled", None)
+    settle_at = getattr(choose, "settle_at", None)  # `settled` as a bound the heads' chain stops at itself
+    outcomes = getattr(choose, "outcomes", None)  # the trees it then picks: their depths, which the chain goes on to
+    return choose, settled, settle_at, outcomes, policy.feature, min(policy.depth or max_depth, max_depth)
 
 
 def _chain_tree(n: int) -> Tree:

@@ -69,8 +69,10 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
         for m in methods:
             collect(rt.run(m, task, ids, warm))
 
-    fits = {task: rt.bank(task).fit for task in {t for t, _ in encoded}} if any(m.startswith("entmtp") for m in methods) else {}
-    live = LiveCosts()  # every timed step from here on: the costs of now, which each run's prediction reads first
+    tasks = sorted({t for t, _ in encoded}) if any(m.startswith("entmtp") for m in methods) else []
+    fits = {task: rt.bank(task).fit for task in tasks}  # the banks' fits, as calibrated
+    rt.reset_live()  # every timed step from here on (`rt.run` observes them): the costs of now, which
+    live = rt.live   # each run's prediction reads first and the served policies are refitted at
     rows = []
     it = progress(range(len(encoded)), "bench", len(encoded)) if progress else range(len(encoded))
     for i in it:
@@ -80,8 +82,9 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
         for r in range(cfg.repeats):  # each round in a new rotation: every method takes its turn early and late
             k = (i + r) % len(methods)
             for m in methods[k:] + methods[:k]:
-                pred = _live_prediction(live, fits.get(task), m, len(ids), gen.max_new_tokens)
-                res = collect(live.observe_run(rt.run(m, task, ids, gen), len(ids)))
+                served = rt.served(task).fit if task in fits and rt.follow_live else fits.get(task)  # its last refit, if any
+                pred = _live_prediction(live, served, m, len(ids), gen.max_new_tokens)
+                res = collect(rt.run(m, task, ids, gen))
                 runs.setdefault(m, []).append(res)
                 if pred:
                     foreseen[id(res)] = pred
@@ -103,11 +106,14 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
                     "prefill_ms": res.steps[0].prefill_ms if res.steps else 0.0,
                     "phase_ms": {k: phases.get(k, 0.0) for k in PHASES},
                     "token_ids": res.token_ids,
+                    "probes": sum(r.probe for r in res.steps),
+                    "refits": [r.refit for r in res.steps if r.refit],
                 }
             )
             if id(res) in foreseen and res.new_tokens:
                 rows[-1]["live_predicted_seconds"] = res.new_tokens / foreseen[id(res)]
-    seen_live = {task: live.snapshot(fit) for task, fit in fits.items()}  # the trees' costs as the timed runs ended
+    # the trees' costs as the timed runs ended, and every refit while serving (`bank.refit`)
+    seen_live = {task: {**live.snapshot(fit), "refits": rt.served(task).refits if rt.follow_live else []} for task, fit in fits.items()}
     if "hf" in methods and rt.served_differs():  # the oracle: generate on the model as served, untimed
         for i, (task, ids) in enumerate(encoded):
             rows.append({"prompt": i, "task": task, "method": "oracle", "token_ids": collect(rt.run("oracle", task, ids, gen)).token_ids})
@@ -183,6 +189,9 @@ def aggregate(rows: list[dict], methods: list[str], predicted: dict[str, dict[st
                 "phase_ms_per_step": {k: round(v, 2) for k, v in phase.items()},
                 # (schedule + draft) / wall time per step; None where the engine's phases did not run (hf, hf-lookup)
                 "draft_share": round((phase["schedule"] + phase["draft"]) / ms_step, 4) if any(phase.values()) and ms_step else None,
+                # steps that timed a tree for the live costs, and refits while serving (`bank.refit`)
+                "probe_share": round(sum(r.get("probes", 0) for r in rs) / max(1, steps), 4),
+                "refits": sum(len(r.get("refits", ())) for r in rs),
             }
             if hf_tps is not None:
                 row["speedup_vs_hf"] = round(tps / hf_tps, 4) if hf_tps else None

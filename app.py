@@ -235,7 +235,12 @@ step's root. **Continue to the end** then runs the whole race.
   clock adds up only *its own* measured prefill and step times, so neither is charged for the other.
 - **Tokens per step**: 1 means no draft was accepted; the dashed line is the mean.
 - **Confidence and tree**: *s* and the entropy of the model's next-token distribution; below, the
-  size of the tree the policy picked at each step.
+  size of the tree the policy picked at each step and the step's wall time. A dashed orange line
+  is a **refit**: the step costs timed here lately had moved away from those the policy was fitted
+  at, so its trees and thresholds were fitted again on the bank's traces at the costs of now (in a
+  millisecond or so) and the policy changes from that step on; the line under EntMTP's figures says
+  why and what changed. Now and then a step times a tree the policy has not used lately (a
+  *probe*), so that its cost now is known too; the output is the same whatever tree verifies it.
 - **Tree**: the tree verified at a step, each node labelled with its drafted token (␣ = space,
   ↵ = newline); the orange path was accepted. After a race, the slider replays any step.
 - **Tree usage**: how many steps each tree was used and how many tokens it produced.
@@ -249,7 +254,7 @@ step's root. **Continue to the end** then runs the whole race.
   one where an extra tree row costs *r* × a plain step): cheap rows move the front to deep trees,
   costly ones back to one or two nodes. Beside it, every step's cost over time on this machine:
   on a shared machine it moves 2–3× within minutes, and each side's prediction in a race is priced
-  at the costs of the races before it.
+  at the costs of the races before it; the dashed lines mark the refits.
 
 Every race number is measured live on the machine serving this page; no token is made up.
 """

@@ -105,6 +105,33 @@ def test_race_streams_and_matches_ar(served, ar_text):
     assert all("at the costs of the last" in s and "steps timed here" in s for s in (again[4], again[5])), (again[4], again[5])
 
 
+def test_a_race_shows_its_refits_at_the_live_costs(served, monkeypatch):
+    """Every look at the live costs departs (threshold below 0, one look enough, a look every 4
+    steps): EntMTP's side refits while the race runs, says so under its figures and on the feature
+    chart, the Bank tab's note names the policies served now and its cost chart marks the refits;
+    the output stays plain decoding's. A τ of the visitor's own is served as chosen: no refit."""
+    import json
+
+    from entmtp.bank import refit
+
+    monkeypatch.setattr(refit, "DEPART", -1.0)
+    monkeypatch.setattr(refit, "CONFIRM", 1)
+    monkeypatch.setattr(refit, "CHECK_EVERY", 4)
+    _, models, client = served
+    out = client.predict(PROMPT, "code", "tau", "ar", 48, 0.0, api_name="/race")
+    assert out[0] == out[1] and "identical output" in out[6]
+    assert "🔁 step 4:" in out[4] and "refitted in" in out[4], out[4]
+    assert "refit:" in json.dumps(out[9])  # the dashed line on the feature chart, labelled
+    rt = models.get(None)
+    served_now = rt.live_fit("code")
+    assert served_now.refits and served_now.refits[0]["step"] == 4
+    assert "Served now, refitted at the live step costs" in race.bank_note(rt, "code", rt.bank("code"))
+    fig = plots.step_cost_figure(rt.live.history(), {}, refits=served_now.marks_ago())
+    assert any((a.text or "").startswith("refit:") for a in fig.layout.annotations)
+    own = client.predict(PROMPT, "code", "tau", "ar", 24, 0.0, None, 0, True, 0.6, 0.3, api_name="/race")
+    assert "your τ 0.60/0.30" in own[4] and "🔁" not in own[4]
+
+
 def test_counterfactual_of_a_greedy_race(served):
     """After a race at temperature 0: every bank tree's and policy's outcome on its output, and the
     tree that ran reproduced exactly by the counterfactual pass at every step."""

@@ -36,14 +36,14 @@ def test_with_nothing_recent_the_fit_stands():
 
 def test_trees_run_lately_are_priced_at_their_steps_and_the_rest_carry_their_scale():
     """Steps twice the fit's price for n1 and three times for n4, at contexts of their own (each
-    growing with context along the fit's slope): each
+    the fit's line at its context, times 2 or 3): each
     tree's own median, brought to the fit's context along its slope; n2 (not run) carries the
     scale interpolated by node count, n9 the nearest's beyond."""
     clock = Clock()
     live = LiveCosts(clock=clock, min_steps=4)
-    for ctx in (100, 150, 200, 250, 300):
-        live.observe("n1-d0", 1, ctx, 2.0 * 10.0 + 0.01 * (ctx - 192))
-        live.observe("n4-d3", 4, ctx, 3.0 * 14.0 + (0.01 + 0.04 * 3 / 63) * (ctx - 192))
+    for ctx in (100, 150, 200, 250, 300):  # the machine 2x (3x) slower at every context
+        live.observe("n1-d0", 1, ctx, 2.0 * (10.0 + 0.01 * (ctx - 192)))
+        live.observe("n4-d3", 4, ctx, 3.0 * (14.0 + (0.01 + 0.04 * 3 / 63) * (ctx - 192)))
     assert live.tree_ms(FIT, "n1-d0") == pytest.approx(20.0)
     assert live.tree_ms(FIT, "n4-d3") == pytest.approx(42.0)
     assert live.tree_ms(FIT, "n2-d1") is None

@@ -19,6 +19,7 @@ from entmtp.figures import plots
 from entmtp.bank.bank import TopologyBank
 from entmtp.bank.fit import ceiling_text, through_heads
 from entmtp.bank.live import LiveCosts
+from entmtp.bank.refit import policy_text
 from entmtp.bank.predict import predict
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import StepRecord, Strategy
@@ -233,7 +234,18 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
             f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
             + through_heads(fit) + "."
             + (f" Note: {degenerate}." if degenerate else "")
-            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else ""))
+            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else "") + served_note(rt, task))
+
+
+def served_note(rt: Runtime, task: str) -> str:
+    """The policies races serve now, where the live costs refitted them (`bank.refit`), else ""."""
+    got = rt.live_fit(task)
+    if got is None or not got.refits:
+        return ""
+    last = got.refits[-1]
+    pol = got.fit["policies"]
+    return (f" **Served now, refitted at the live step costs** ({len(got.refits)} refit(s) here; the last: {last['why']}): "
+            f"τ {policy_text(pol, 'tau')}; ladder {policy_text(pol, 'ladder')}; static {policy_text(pol, 'static')}.")
 
 
 def entmtp_policy(bank: TopologyBank, req: Request) -> tuple[Policy, str]:

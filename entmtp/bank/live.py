@@ -99,8 +99,11 @@ class LiveCosts:
 
     # -- a fit priced now ----------------------------------------------------------------------------
     def tree_ms(self, fit: dict[str, Any], tree: str) -> float | None:
-        """The tree's step cost now at the fit's context: the median of its recent steps, each moved
-        to that context along the fit's slope; None where it has fewer than `min_steps` recent ones."""
+        """The tree's step cost now at the fit's context: the median of its recent steps, each
+        without the heads its policy read past the tree's depth and moved to that context by the
+        fit's line (times the fit's cost there over the line's at the step's context, so that a
+        machine twice as slow is twice as slow at every context, and no long context makes a cost
+        negative); None where it has fewer than `min_steps` recent ones."""
         one = _one_node(fit)
         with self._lock:  # plain decoding's steps and the one-node tree's are one pool: the same step (docs/banks.md)
             pool = [*self._steps.get(one, ()), *self._steps.get("ar", ())] if one is not None and tree in (one, "ar") else self._steps.get(tree, ())
@@ -109,11 +112,14 @@ class LiveCosts:
             return None
         cost, at, chain = fit.get("context_cost"), fit.get("context", 0), fit.get("chain_ms") or [0.0]
         top = len(chain) - 1
+        fitted = self.fitted_ms(fit, tree)
 
         def heads(depth: int, beyond: int) -> float:  # the chain past the tree's depth, at the fit's cost
             return chain[min(depth + beyond, top)] - chain[min(depth, top)] if beyond else 0.0
 
-        return statistics.median(ms - (slope(cost, nodes) * (ctx - at) if cost else 0.0) - heads(d, b) for _, nodes, ctx, ms, d, b in rows)
+        base, per = (fitted[1], slope(cost, fitted[0])) if cost and fitted else (1.0, 0.0)  # the fit's line: base + per * (ctx - at)
+        return statistics.median((ms - heads(d, b) if b else ms) * base / max(0.1 * base, base + per * (ctx - at))
+                                 for _, _, ctx, ms, d, b in rows)
 
     def fitted_ms(self, fit: dict[str, Any], tree: str) -> tuple[int, float] | None:
         """(nodes, the fit's step cost) of a tree of the fit: its bank's, its Hydra baseline, or `ar`

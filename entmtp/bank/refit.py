@@ -275,17 +275,11 @@ class LiveFit:
         self.served = bank  # the bank under it
         self.refits: list[dict[str, Any]] = []
         self.marks: list[tuple[float, str]] = []  # (the live costs' clock, what the refit chose), for a chart over time
-        self._usage: Usage | None = None
+        f = bank.fit  # every candidate's decode of the traces, once (~0.3-0.45 s for a shipped bank)
+        self.usage = Usage(bank.trees, bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), baseline) if bank.traces else None
         self._above = 0  # looks in a row past DEPART
         self._lock = threading.Lock()
         self._probe_turn = 0
-
-    @property
-    def usage(self) -> Usage:
-        if self._usage is None:
-            f = self.bank.fit
-            self._usage = Usage(self.bank.trees, self.bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), self.baseline)
-        return self._usage
 
     def marks_ago(self) -> list[tuple[float, str]]:
         """Each refit as (seconds ago, what it chose): `plots.step_cost_figure`'s markers."""
@@ -298,7 +292,7 @@ class LiveFit:
     def look(self, step: int, method: str) -> dict[str, Any] | None:
         """Every CHECK_EVERY steps: the departure now; past DEPART on CONFIRM looks in a row, a
         refit. Returns the refit's record (it is in `refits` too) or None."""
-        if step % CHECK_EVERY or not self.bank.traces:
+        if step % CHECK_EVERY or self.usage is None:
             return None
         with self._lock:
             gone = self.live.departure(self.fit)
@@ -310,16 +304,12 @@ class LiveFit:
 
     def _refit(self, gone: float, method: str, step: int) -> dict[str, Any] | None:
         started = time.perf_counter()
-        usage_ms = 0.0 if self._usage is not None else None
-        usage = self.usage
-        if usage_ms is None:
-            usage_ms = usage.build_ms
         costs = self.live.costs_now(self.fit, [t.name for t in self.bank.trees])
         if costs is None:
             return None
         old = self.fit
         current = {k: self.served.policy(k) for k in ("static", "ladder", "tau")}
-        new = usage.fit(costs["step_ms"], costs["chain_ms"], costs["prefill_ms_per_token"], costs["baseline_ms"], current)
+        new = self.usage.fit(costs["step_ms"], costs["chain_ms"], costs["prefill_ms_per_token"], costs["baseline_ms"], current)
         one = self.live.scale_at(old, 1)
         cost = old.get("context_cost")
         fit = {**{k: v for k, v in old.items() if k not in ("ceiling", "features", "degenerate")}, **new,
@@ -338,8 +328,7 @@ class LiveFit:
                  "predicted": new["predicted_tokens_per_s"].get(method), "at": time.time()}
         fit["refit"] = {k: event[k] for k in ("departure", "why", "measured", "at")}
         self.fit, self.served = fit, self.bank.with_fit(fit)
-        event["refit_ms"] = round((time.perf_counter() - started) * 1e3 - usage_ms, 3)
-        event["usage_ms"] = round(usage_ms, 1)  # the candidates' one-off simulation (the first refit of this bank only)
+        event["refit_ms"] = round((time.perf_counter() - started) * 1e3, 3)
         self.refits.append(event)
         self.marks.append((self.live.clock(), event["new"] if event["changed"] else "kept " + event["old"]))
         return event
@@ -347,7 +336,7 @@ class LiveFit:
     def probe(self, step: int) -> int | None:
         """The tree to time at this step instead of the policy's pick, or None: at most one step in
         PROBE_EVERY, a front tree of the served fit with too few recent steps, in turns."""
-        if step % PROBE_EVERY or not self.bank.traces:
+        if step % PROBE_EVERY or self.usage is None:
             return None
         front = self.fit.get("front") or []
         cold = [n for n in front if self.live.tree_ms(self.fit, n) is None]

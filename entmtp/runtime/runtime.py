@@ -249,9 +249,8 @@ class Runtime:
         """The task's bank as served now: its fit, or the last refit of it at the live costs."""
         bank = self.bank(task)
         got = self._served.get(task)
-        if got is None or got.bank is not bank:  # a new fit (calibrated, adopted) starts it over
+        if got is None or got.bank is not bank:  # a new fit (calibrated, adopted) starts it over; built here, before any decode's clock
             got = self._served[task] = LiveFit(bank, self.live, self._trees.get(BASELINE_TREE) or load_named_trees(TREES_FILE)[BASELINE_TREE])
-            got.usage  # the candidates' one simulation (~0.3-0.5 s for a shipped bank), here, before any decode's clock
         return got
 
     def live_fit(self, task: str) -> LiveFit | None:

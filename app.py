@@ -348,7 +348,7 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                 with gr.Row():
                     ent_text = gr.Textbox(label="EntMTP text", lines=6)
                     base_text = gr.Textbox(label="Baseline text", lines=6)
-        with gr.Tab("Bank"):
+        with gr.Tab("Bank") as bank_tab:
             gr.Markdown("The trees EntMTP chooses from for the task selected on the Race tab. Acceptance comes "
                         "from the bank's traces (machine-independent); step times come from the machine chosen "
                         "below, and tokens/s is what they predict. Filled markers: trees used by a policy.")
@@ -437,6 +437,9 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
         for trigger in (task.change, model.blur, demo.load, event.then):
             trigger(show, bank_inputs, bank_outputs, api_visibility="private")
         hardware.change(what_if_event, bank_inputs, bank_outputs[4:8], api_visibility="private")
+        # the step costs move on between events: the chart is drawn again whenever the tab is opened
+        bank_tab.select(lambda task, model: cost_history(live(task, model)[0], model), [task, model], costs_plot,
+                        api_visibility="private", show_progress="hidden")
         ratio.input(what_if_event, bank_inputs, bank_outputs[4:8], api_visibility="private", trigger_mode="always_last")
         refit.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private").then(
             do_refit, bank_inputs, bank_outputs, api_visibility="private", concurrency_id="race")

@@ -285,6 +285,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, typical=args.typical
     )
+    if args.method.startswith("entmtp-") and rt.follow_live:  # what refits simulate, before the first clock (`bank.refit`)
+        for task in dict.fromkeys(it["task"] for it in items):
+            rt.served(task).wait()
     for it in items:
         ids = rt.encode(it["prompt"])
         res = collect(rt.run(args.method, it["task"], ids, gen))

@@ -2,9 +2,10 @@
 
 Serves the app (default model, this machine's fit), opens it in Debian's Chromium, races EntMTP
 (τ by default) against plain decoding on a long budget and, once the race is under way, starts two
-busy processes (one a core) until it ends. Saves three screenshots: the Race tab just before the
-slowdown, the Race tab after the race, and the Bank tab's step cost over time; prints the lines the
-page wrote under EntMTP's figures (each refit: when, why, old and new policy).
+busy processes (one a core) until it ends. Saves four screenshots: the Race tab just before the
+slowdown and after the race, the feature chart after it (each refit a dashed line, each step's wall
+time below), and the Bank tab's step cost over time; prints the lines the page wrote under EntMTP's
+figures (each refit: when, why, old and new policy).
 
     python scripts/slow_race.py [--task code] [--tokens 768] [--hog-after 4] [--out assets]
 """
@@ -83,12 +84,14 @@ def main() -> int:
                 h.kill()
             hogs = []
             page.wait_for_timeout(1500)
-            page.locator(".js-plotly-plot", has_text="What the policy sees").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(out / "screenshot-refit-after.png"), full_page=True)
+            page.screenshot(path=str(out / "screenshot-refit-after.png"), full_page=False)
+            feature = page.locator(".js-plotly-plot", has_text="What the policy sees").first
+            feature.scroll_into_view_if_needed()
+            feature.screenshot(path=str(out / "screenshot-refit-feature.png"))
             print(page.locator(".stats").first.inner_text(), flush=True)
             page.get_by_role("tab", name="Bank").click()
             chart = page.locator(".js-plotly-plot", has_text="Step cost on this machine").first
-            expect(chart).to_be_visible(timeout=120_000)
+            expect(chart).to_contain_text("seconds (0: now)", timeout=120_000)  # drawn again with the race's steps
             chart.scroll_into_view_if_needed()
             page.wait_for_timeout(1000)
             chart.screenshot(path=str(out / "screenshot-refit-costs.png"))

@@ -118,9 +118,10 @@ def test_a_race_shows_its_refits_at_the_live_costs(served, monkeypatch):
     monkeypatch.setattr(refit, "CONFIRM", 1)
     monkeypatch.setattr(refit, "CHECK_EVERY", 4)
     _, models, client = served
+    models.get(None).served("code").wait()  # the candidates' simulation, built in the background since the first race
     out = client.predict(PROMPT, "code", "tau", "ar", 48, 0.0, api_name="/race")
     assert out[0] == out[1] and "identical output" in out[6]
-    assert "🔁 step 4:" in out[4] and "refitted in" in out[4], out[4]
+    assert "**refit** before step 4:" in out[4] and "refitted in" in out[4], out[4]
     assert "refit:" in json.dumps(out[9])  # the dashed line on the feature chart, labelled
     rt = models.get(None)
     served_now = rt.live_fit("code")
@@ -129,7 +130,7 @@ def test_a_race_shows_its_refits_at_the_live_costs(served, monkeypatch):
     fig = plots.step_cost_figure(rt.live.history(), {}, refits=served_now.marks_ago())
     assert any((a.text or "").startswith("refit:") for a in fig.layout.annotations)
     own = client.predict(PROMPT, "code", "tau", "ar", 24, 0.0, None, 0, True, 0.6, 0.3, api_name="/race")
-    assert "your τ 0.60/0.30" in own[4] and "🔁" not in own[4]
+    assert "your τ 0.60/0.30" in own[4] and "**refit**" not in own[4]
 
 
 def test_counterfactual_of_a_greedy_race(served):

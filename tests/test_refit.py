@@ -100,7 +100,7 @@ def test_a_departure_refits_once_after_two_looks_and_the_policy_follows(chat):
     bank, _ = chat
     clock = Clock()
     live = LiveCosts(clock=clock)
-    served = LiveFit(bank, live, BASE)
+    served = LiveFit(bank, live, BASE).wait()
     fit = bank.fit
     ms = {t.name: fit["trees"][t.name]["step_ms"] for t in bank.trees}
     # the machine as fitted, a uniform 2x slower: no departure of the shape, no refit
@@ -126,7 +126,7 @@ def test_probes_time_cold_front_trees_in_a_bounded_share(chat):
     bank, _ = chat
     clock = Clock()
     live = LiveCosts(clock=clock)
-    served = LiveFit(bank, live, BASE)
+    served = LiveFit(bank, live, BASE).wait()
     probed = [p for s in range(1, 64 * 20 + 1) if (p := served.probe(s)) is not None]
     assert 0 < len(probed) <= 20 and len(set(probed)) > 1
     assert all(bank.trees[p].name in bank.fit["front"] for p in probed)

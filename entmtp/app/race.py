@@ -376,7 +376,7 @@ class Side:
         """The refits at the live costs during this side's decode and its probe steps, in words ("" without any)."""
         refits = [r for r in self.records if r.refit]
         probes = sum(r.probe for r in self.records)
-        parts = [f"🔁 step {r.step}: {r.refit['why']}; refitted in {r.refit['refit_ms']:.1f} ms: "
+        parts = [f"**refit** before step {r.step}: {r.refit['why']}; refitted in {r.refit['refit_ms']:.1f} ms: "
                  + (f"{r.refit['old']} → **{r.refit['new']}**" if r.refit["changed"] else f"kept {r.refit['old']}") for r in refits]
         if probes:
             parts.append(f"{probes} step(s) timed a tree not run lately (a probe of the live costs; the output is the same)")

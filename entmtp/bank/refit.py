@@ -275,11 +275,27 @@ class LiveFit:
         self.served = bank  # the bank under it
         self.refits: list[dict[str, Any]] = []
         self.marks: list[tuple[float, str]] = []  # (the live costs' clock, what the refit chose), for a chart over time
-        f = bank.fit  # every candidate's decode of the traces, once (~0.3-0.45 s for a shipped bank)
-        self.usage = Usage(bank.trees, bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), baseline) if bank.traces else None
+        self.usage: Usage | None = None  # every candidate's decode of the traces, simulated once (`wait`)
+        self._built = threading.Event()
+        if bank.traces:  # ~0.3-0.7 s for a shipped bank: off the thread that serves, which refits once it is done
+            threading.Thread(target=self._build, name="entmtp-refit-usage", daemon=True).start()
+        else:
+            self._built.set()
         self._above = 0  # looks in a row past DEPART
         self._lock = threading.Lock()
         self._probe_turn = 0
+
+    def _build(self) -> None:
+        f = self.bank.fit
+        try:
+            self.usage = Usage(self.bank.trees, self.bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), self.baseline)
+        finally:
+            self._built.set()
+
+    def wait(self) -> "LiveFit":
+        """Until the candidates' simulation is done (a benchmark waits, outside its clocks; a race does not)."""
+        self._built.wait()
+        return self
 
     def marks_ago(self) -> list[tuple[float, str]]:
         """Each refit as (seconds ago, what it chose): `plots.step_cost_figure`'s markers."""
@@ -292,7 +308,7 @@ class LiveFit:
     def look(self, step: int, method: str) -> dict[str, Any] | None:
         """Every CHECK_EVERY steps: the departure now; past DEPART on CONFIRM looks in a row, a
         refit. Returns the refit's record (it is in `refits` too) or None."""
-        if step % CHECK_EVERY or self.usage is None:
+        if step % CHECK_EVERY or not self._built.is_set() or self.usage is None:
             return None
         with self._lock:
             gone = self.live.departure(self.fit)
@@ -336,7 +352,7 @@ class LiveFit:
     def probe(self, step: int) -> int | None:
         """The tree to time at this step instead of the policy's pick, or None: at most one step in
         PROBE_EVERY, a front tree of the served fit with too few recent steps, in turns."""
-        if step % PROBE_EVERY or self.usage is None:
+        if step % PROBE_EVERY or not self.bank.traces:
             return None
         front = self.fit.get("front") or []
         cold = [n for n in front if self.live.tree_ms(self.fit, n) is None]

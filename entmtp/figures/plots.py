@@ -218,18 +218,19 @@ def features_figure(
         row=2, col=1, secondary_y=True,
     )
     for r in records:
-        if r.refit:
-            what = r.refit["new"] if r.refit.get("changed") else "kept " + r.refit["old"]
+        if r.refit:  # the policy from this step on, along the line (its thresholds are in the stats above)
+            what = (r.refit["new"] if r.refit.get("changed") else "kept " + r.refit["old"]).split(" (on ")[0]
             for row in (1, 2):
                 fig.add_vline(x=r.step - 0.5, row=row, col=1, line=dict(color="#e8590c", width=1.5, dash="dash"))
-            fig.add_annotation(x=r.step - 0.5, y=1.02, xref="x", yref="y domain", text=f"refit: {what}", showarrow=False,
-                               xanchor="left", font=dict(size=10, color="#e8590c"))
+            fig.add_annotation(x=r.step - 0.5, y=0.02, xref="x", yref="y domain", text=f"refit: {what}", showarrow=False,
+                               textangle=-90, xanchor="right", yanchor="bottom", font=dict(size=10, color="#e8590c"))
     fig.update_layout(barmode="overlay", bargap=0.1)
-    fig.update_yaxes(title_text="ms", secondary_y=True, row=2, col=1, showgrid=False, rangemode="tozero")
+    # a busy machine's steps 10x dearer stay readable beside the rest
+    fig.update_yaxes(title_text="ms (log)", type="log", secondary_y=True, row=2, col=1, showgrid=False)
     fig.update_yaxes(title_text="s", range=[0, 1.05], row=1, col=1)
     top = max([r.entropy for r in records] + [1.0])
     fig.update_yaxes(title_text="entropy", secondary_y=True, row=1, col=1, showgrid=False, range=[0, 1.05 * top])
-    fig.update_yaxes(title_text="tree nodes", row=2, col=1, rangemode="tozero")
+    fig.update_yaxes(title_text="tree nodes", row=2, col=1, rangemode="tozero", secondary_y=False)
     fig.update_xaxes(title_text="decode step", row=2, col=1)
     return _layout(fig, title, height, sub)
 
@@ -286,8 +287,8 @@ def step_cost_figure(history: Sequence[tuple[float, str, int, int, float]], fitt
             fig.add_hline(y=fitted[tree], line=dict(color=color, dash="dot", width=1))
     for ago, what in refits:
         fig.add_vline(x=-ago, line=dict(color="#e8590c", width=1.5, dash="dash"))
-        fig.add_annotation(x=-ago, y=1.0, yref="paper", text=f"refit: {what}", showarrow=False, xanchor="left",
-                           font=dict(size=10, color="#e8590c"))
+        fig.add_annotation(x=-ago, y=0.02, yref="paper", text=f"refit: {what.split(' (on ')[0]}", showarrow=False, textangle=-90,
+                           xanchor="right", yanchor="bottom", font=dict(size=10, color="#e8590c"))
     fig.update_xaxes(title_text="seconds (0: now)")
     fig.update_yaxes(title_text="ms a step (log scale)", type="log")  # a busy spell's steps 10x dearer stay readable beside the rest
     return _layout(fig, title, height, sub)

@@ -249,7 +249,7 @@ class Runtime:
         """The task's bank as served now: its fit, or the last refit of it at the live costs."""
         bank = self.bank(task)
         got = self._served.get(task)
-        if got is None or got.bank is not bank:  # a new fit (calibrated, adopted) starts it over; built here, before any decode's clock
+        if got is None or got.bank is not bank:  # a new fit (calibrated, adopted) starts it over
             got = self._served[task] = LiveFit(bank, self.live, self._trees.get(BASELINE_TREE) or load_named_trees(TREES_FILE)[BASELINE_TREE])
         return got
 

@@ -82,7 +82,7 @@ def run_bench(rt, items: list[dict], methods: list[str], cfg: BenchConfig = Benc
         for r in range(cfg.repeats):  # each round in a new rotation: every method takes its turn early and late
             k = (i + r) % len(methods)
             for m in methods[k:] + methods[:k]:
-                served = rt.served(task).fit if task in fits and rt.follow_live else fits.get(task)  # its last refit, if any
+                served = rt.served(task).wait().fit if task in fits and rt.follow_live else fits.get(task)  # its last refit, if any
                 pred = _live_prediction(live, served, m, len(ids), gen.max_new_tokens)
                 res = collect(rt.run(m, task, ids, gen))
                 runs.setdefault(m, []).append(res)

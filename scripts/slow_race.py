@@ -92,8 +92,9 @@ def main() -> int:
             page.get_by_role("tab", name="Bank").click()
             chart = page.locator(".js-plotly-plot", has_text="Step cost on this machine").first
             expect(chart).to_contain_text("seconds (0: now)", timeout=120_000)  # drawn again with the race's steps
+            page.wait_for_timeout(3000)  # the tab's other figures settle (a redraw detaches the old chart)
+            chart = page.locator(".js-plotly-plot", has_text="Step cost on this machine").first
             chart.scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)
             chart.screenshot(path=str(out / "screenshot-refit-costs.png"))
             browser.close()
     finally:

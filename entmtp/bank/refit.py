@@ -95,6 +95,7 @@ class Usage:
         self._known: dict[Policy, np.ndarray] = {}
         self.tau = _Family.of(taus, [(p.small, p.large) for p in taus], self._count(taus), T)
         self.ladder = _Family.of(ladders, [p.trees for p in ladders], self._count(ladders), T)
+        self._index = {p: (fam, k) for fam in (self.tau, self.ladder) for k, p in enumerate(fam.policies)}
         self.build_ms = (time.perf_counter() - started) * 1e3
 
     def _count(self, pols: list[Policy]) -> np.ndarray:
@@ -153,6 +154,9 @@ class Usage:
         kept: what a policy served now would cost at new costs, to weigh a refit against."""
         if policy in self._known:
             return self._known[policy]
+        if policy in self._index:  # a candidate: simulated already
+            fam, k = self._index[policy]
+            return fam.counts[k].reshape(self.D + 1, len(self.trees))
         T, D = len(self.trees), self.D
         out = np.zeros((D + 1, T))
         reads = policy.feature == "path_value" and not isinstance(policy, StaticPolicy)

@@ -413,7 +413,8 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             if bank is not None and "ar" in (bank.fit.get("per_method") or {}):
                 fitted["ar"] = bank.fit["per_method"]["ar"]["step_ms"]
             task = bank.meta.get("task") if bank is not None else None
-            marks = rt.live_fit(task).marks_ago() if rt is not None and task and rt.live_fit(task) is not None else []
+            served = rt.live_fit(task) if rt is not None and task else None
+            marks = served.marks_ago() if served is not None else []
             return plots.step_cost_figure(rt.live.history() if rt is not None else [], fitted, refits=marks)
 
         def show(task, model, choice="here", r=0.1):

@@ -52,6 +52,12 @@ def test_each_candidates_steps_price_its_decode_as_simulate_does(chat):
             counts = fam.counts[k].reshape(m.shape)
             assert counts.sum() == out.steps
             assert float((counts * m).sum()) == pytest.approx(out.ms, rel=1e-9)
+    # and the policies calibration fitted (its ladder has nine rungs: no candidate), as a refit weighs them
+    for name, pol in bank.policies.items():
+        static = name == "static"
+        out = simulate(tables, pol.chooser, [[0.0] * len(t) for t in bank.traces] if static else [], steps, 0.0, None if static else reads)
+        counts = usage.counts_of(pol)
+        assert counts.sum() == out.steps and float((counts * m).sum()) == pytest.approx(out.ms, rel=1e-9), name
 
 
 @pytest.mark.parametrize("task", ["chat", "code", "math"])

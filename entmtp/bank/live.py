@@ -70,14 +70,10 @@ class LiveCosts:
         for r in records:
             if r.step == 1:
                 self.observe_prefill(prompt_tokens, r.prefill_ms)
-            after, last = last, r.tree
-            if after != r.tree:
-                produced += len(r.tokens)
-                yield r
-                continue
-            depth = getattr(r, "tree_depth", 0)
-            self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms, depth, max(0, getattr(r, "heads_read", 0) - depth))
-            produced += len(r.tokens)
+            if r.tree == last:
+                depth = getattr(r, "tree_depth", 0)
+                self.observe(r.tree, r.tree_nodes, prompt_tokens + produced, r.step_ms, depth, max(0, getattr(r, "heads_read", 0) - depth))
+            last, produced = r.tree, produced + len(r.tokens)
             yield r
 
     def clear(self) -> None:
@@ -166,19 +162,21 @@ class LiveCosts:
         (n0, s0, _), (n1, s1, _) = known[i - 1], known[i]
         return s0 + (s1 - s0) * (nodes - n0) / (n1 - n0)
 
-    def prefill_scale(self, fit: dict[str, Any]) -> float:
-        """Recent prefills over the fit's line for their lengths (median); else the one-node step's scale."""
+    def prefill_scale(self, fit: dict[str, Any], known: list[tuple[int, float, str]] | None = None) -> float:
+        """Recent prefills over the fit's line for their lengths (median); else the one-node step's
+        scale (`known`: the fit's `scales`, where the caller has them)."""
         cost = fit.get("context_cost")
         with self._lock:
             rows = self._recent(self._prefills)
         if cost and len(rows) >= self.min_steps:
             return statistics.median(ms / max(1e-6, prefill_ms(cost, n)) for _, n, ms in rows)
-        return self.scale_at(fit, 1)
+        return self.scale_at(fit, 1, known)
 
-    def curve(self, fit: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def curve(self, fit: dict[str, Any], known: list[tuple[int, float, str]] | None = None) -> dict[str, dict[str, Any]]:
         """Per tree of the fit: its fitted step cost, its cost now, and whether that is measured
-        (run lately) or carried (the fitted shape scaled by the trees that were)."""
-        known = self.scales(fit)
+        (run lately) or carried (the fitted shape scaled by the trees that were; `known`: the fit's
+        `scales`, where the caller has them)."""
+        known = self.scales(fit) if known is None else known
         mine = {name: s for _, s, name in known}
         out = {}
         for name in fit.get("trees") or {}:
@@ -219,17 +217,18 @@ class LiveCosts:
         """What `fit.fit_task` needs to refit at the costs of now: per tree of `trees` (names, in the
         bank's order) its step cost now (`curve`), Hydra's baseline tree's, the prefill per token and
         the heads' chain to each depth scaled by the one-node step's scale; which trees were measured;
-        None before any step of the fit's trees was timed."""
+        the two scales; None before any step of the fit's trees was timed."""
         known = self.scales(fit)
         if not known:
             return None
-        curve, base = self.curve(fit), fit.get("baseline") or {}
-        one = self.scale_at(fit, 1, known)
+        curve, base = self.curve(fit, known), fit.get("baseline") or {}
+        one, prefill = self.scale_at(fit, 1, known), self.prefill_scale(fit, known)
         return {"step_ms": [curve[name]["now_ms"] for name in trees],
                 "baseline_ms": base["step_ms"] * self.scale_at(fit, base["n_nodes"], known) if base else None,
-                "prefill_ms_per_token": fit.get("prefill_ms_per_token", 0.0) * self.prefill_scale(fit),
+                "prefill_ms_per_token": fit.get("prefill_ms_per_token", 0.0) * prefill,
                 "chain_ms": [c * one for c in (fit.get("chain_ms") or ())],
-                "measured": [name for name in trees if curve[name]["source"] == "measured"]}
+                "measured": [name for name in trees if curve[name]["source"] == "measured"],
+                "one_node_scale": one, "prefill_scale": prefill}
 
     def departure(self, fit: dict[str, Any]) -> float | None:
         """How far the shape of the costs now is from the fit's: the largest relative change, over the

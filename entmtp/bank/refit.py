@@ -15,7 +15,7 @@ place of `fit_task`'s coordinate ascent. The feature and the heads it reads stay
 of now depart from the ones its policies were fitted at (`LiveCosts.departure`), and past `DEPART`
 on `CONFIRM` checks in a row it refits (`refit`) and serves the new policies from the next step. The
 refit's costs become the reference, so the same costs never refit twice (hysteresis). Now and then
-it times a front tree no policy has run lately (`probe`), at most one step in `PROBE_EVERY`: at
+it times a front tree no policy has run lately (`probe`), at most two steps in `PROBE_EVERY`: at
 temperature 0 the tree does not change the output, and at T > 0 sampling stays exact.
 
 No torch: arithmetic on traces and costs.
@@ -66,7 +66,6 @@ class Usage:
     """Every candidate policy of a bank, simulated once on its traces (module docstring)."""
 
     def __init__(self, trees: list[Tree], traces: list, feature: str, depth: int, baseline: Tree | None = None):
-        started = time.perf_counter()
         self.trees, self.feature, self.depth = list(trees), feature, depth
         self.baseline = baseline
         self.D = max(t.max_depth for t in trees)
@@ -96,7 +95,6 @@ class Usage:
         self.tau = _Family.of(taus, [(p.small, p.large) for p in taus], self._count(taus), T)
         self.ladder = _Family.of(ladders, [p.trees for p in ladders], self._count(ladders), T)
         self._index = {p: (fam, k) for fam in (self.tau, self.ladder) for k, p in enumerate(fam.policies)}
-        self.build_ms = (time.perf_counter() - started) * 1e3
 
     def _count(self, pols: list[Policy]) -> np.ndarray:
         """Steps by (heads read, tree) of each policy's decode of every trace, all at once: `simulate`'s
@@ -109,9 +107,10 @@ class Usage:
         if tau:
             lo = np.array([p.small for p in pols]); hi = np.array([p.large for p in pols])
             on = np.array([p.tau_on for p in pols]); off = np.array([p.tau_off for p in pols])
-        else:
-            rung = np.array([(*p.trees, *(p.trees[-1:] * (3 - len(p.trees)))) for p in pols])  # (C, 3)
-            thr = np.array([(*p.thresholds, *([np.inf] * (2 - len(p.thresholds)))) for p in pols])  # (C, 2)
+        else:  # rungs and thresholds padded to the longest ladder's (a one-rung ladder settles at its first head)
+            W = max(1, max(len(p.thresholds) for p in pols))
+            rung = np.array([(*p.trees, *(p.trees[-1:] * (W + 1 - len(p.trees)))) for p in pols])  # (C, W + 1)
+            thr = np.array([(*p.thresholds, *([np.inf] * (W - len(p.thresholds)))) for p in pols])  # (C, W)
         reads = self.feature == "path_value"
         hits = []
         for j, trace in enumerate(self.tables.traces):
@@ -140,8 +139,7 @@ class Usage:
                     t = np.where((t == hi[live]) & (s <= off[live]), lo[live], np.where(s > on[live], hi[live], t))
                     cur[live] = t
                 else:
-                    r = (s >= thr[live, 0]).astype(np.int64) + (s >= thr[live, 1])
-                    t = rung[live, r]
+                    t = rung[live, (s[:, None] >= thr[live]).sum(1)]
                 hits.append((live * (D + 1) + d) * T + t)
                 pos[live] = p + np.minimum(accepted[t, p], n - p)
                 live = live[pos[live] < n]
@@ -150,30 +148,25 @@ class Usage:
         return out.reshape(C, D + 1, T)
 
     def counts_of(self, policy: Policy) -> np.ndarray:
-        """(D + 1, T) steps of any policy's decode (one at a time, as `traces.simulate` runs it),
-        kept: what a policy served now would cost at new costs, to weigh a refit against."""
+        """(D + 1, T) steps of any policy's decode, kept: what a policy served now would cost at new
+        costs, to weigh a refit against. A candidate's are looked up; a static tree, or one tree on
+        another feature (a refit's one-tree policies read p0), takes the static tree's steps reading no
+        head; any other τ or ladder on the bank's feature is simulated as the candidates were."""
         if policy in self._known:
             return self._known[policy]
         if policy in self._index:  # a candidate: simulated already
             fam, k = self._index[policy]
             return fam.counts[k].reshape(self.D + 1, len(self.trees))
-        T, D = len(self.trees), self.D
-        out = np.zeros((D + 1, T))
-        reads = policy.feature == "path_value" and not isinstance(policy, StaticPolicy)
-        d_max = policy.depth or self.D
-        for j, trace in enumerate(self.tables.traces):
-            choose, n, i = policy.chooser(), len(trace), 0
-            settled = getattr(choose, "settled", None)
-            feats = None if reads else trace.feature(policy.feature, d_max if policy.feature == "path_value" else 0)
-            while i < n:
-                if reads:
-                    g = [path_value(trace.p0[i], trace.chain[i][:k]) for k in range(1, d_max + 1)]
-                    d = next((k for k, v in enumerate(g, 1) if settled is not None and settled(v)), len(g))
-                    k = choose(g[d - 1])
-                else:
-                    d, k = 0, choose(feats[i])
-                out[d, k] += 1
-                i += min(self.tables.accepted[k][j][i], n - i)
+        if isinstance(policy, StaticPolicy) or (policy.feature, policy.depth) != (self.feature, self.depth):
+            picks = {policy.tree} if isinstance(policy, StaticPolicy) else {policy.small, policy.large} if isinstance(policy, TauPolicy) else set(policy.trees)
+            if len(picks) != 1:
+                raise ValueError(f"{policy}: a policy on {policy.feature} through {policy.depth} heads, the bank's fit reads "
+                                 f"{self.feature} through {self.depth}: refit the bank")
+            tree = picks.pop()
+            out = np.zeros((self.D + 1, len(self.trees)))
+            out[0, tree] = self.static_steps[tree]
+        else:
+            out = self._count([policy])[0]
         self._known[policy] = out
         return out
 
@@ -292,7 +285,10 @@ class LiveFit:
     def _build(self) -> None:
         f = self.bank.fit
         try:
-            self.usage = Usage(self.bank.trees, self.bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), self.baseline)
+            usage = Usage(self.bank.trees, self.bank.traces, f.get("feature", "p0"), int(f.get("feature_depth") or 0), self.baseline)
+            for pol in self.bank.policies.values():  # the policies served first, weighed at the first refit: here, not in a decode
+                usage.counts_of(pol)
+            self.usage = usage
         finally:
             self._built.set()
 
@@ -330,12 +326,11 @@ class LiveFit:
         old = self.fit
         current = {k: self.served.policy(k) for k in ("static", "ladder", "tau")}
         new = self.usage.fit(costs["step_ms"], costs["chain_ms"], costs["prefill_ms_per_token"], costs["baseline_ms"], current)
-        one = self.live.scale_at(old, 1)
+        one, ps = costs["one_node_scale"], costs["prefill_scale"]
         cost = old.get("context_cost")
         fit = {**{k: v for k, v in old.items() if k not in ("ceiling", "features", "degenerate")}, **new,
                "prefill_ms_per_token": round(costs["prefill_ms_per_token"], 4), "chain_ms": [round(c, 3) for c in costs["chain_ms"]]}
         if cost:
-            ps = self.live.prefill_scale(old)
             fit["context_cost"] = {**cost, "slope_ms_per_token": [v * one for v in cost["slope_ms_per_token"]],
                                    "prefill": [[n, ms * ps] for n, ms in cost["prefill"]]}
         if old.get("baseline") and costs["baseline_ms"] is not None:

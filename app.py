@@ -4,10 +4,13 @@ Layout and wiring only; the race itself (models, validation, strategies, sides, 
 `entmtp.app.race`. Builds `demo` at import and keeps each user's last race in `gr.State`.
 `python app.py` serves it locally (CPU, the default model, offline). Environment:
 ENTMTP_APP_MODEL (model id or path), ENTMTP_APP_MODELS (comma-separated models the Advanced box
-may load; default: only the app's model), ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (head
-folders or hub repos), ENTMTP_APP_FIT (auto: fit the banks to this machine once, in the background, the default;
+may load, each `model` or `model=its Hydra heads`; default: only the app's model),
+ENTMTP_APP_HYDRA_HEADS / ENTMTP_APP_MEDUSA_HEADS (the app's model's head folders or hub repos),
+ENTMTP_APP_FIT (auto: fit the banks to this machine once, in the background, the default;
 shipped: the fit in the bank files), ENTMTP_APP_CONCURRENCY (races served at once; default 1 so
-that two races do not share the CPU and skew each other's clocks).
+that two races do not share the CPU and skew each other's clocks), ENTMTP_APP_BUILD_PROMPTS /
+ENTMTP_APP_BUILD_TOKENS (a bank built here where a model has none: calibration prompts and greedy
+tokens each; default 24 and 128, as build-bank; docs/space.md).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, M
                              bank_trees, fallback_bank, live_bank, tau_defaults, tree_view, validate)
 from entmtp.app.lesson import explain
 from entmtp.app.service import Service, cadence, lesson, page_errors, race_steps
-from entmtp.config import DEFAULT_MODEL, TASKS
+from entmtp.config import DEFAULT_MODEL, TASKS, BankBuildConfig
 from entmtp.figures import plots
-from entmtp.runtime.weights import LoadError
+from entmtp.runtime.weights import LoadError, cache_root
 from entmtp.spec.topology import compile_tree
 
 EXAMPLES = [
@@ -51,20 +54,28 @@ class AppConfig:
     concurrency: int = 1
     models: tuple[str, ...] = ()  # further models the Advanced box may load (the app's own always)
     fit: str = "auto"  # auto: banks fitted to this machine (timed once) | shipped: the bank files' fit
+    model_heads: tuple[tuple[str, str], ...] = ()  # (model, its Hydra heads) for further models
+    build_prompts: int = BankBuildConfig.calib_prompts  # a bank built here where a model has none: its calibration prompts
+    build_tokens: int = BankBuildConfig.calib_new_tokens  # and greedy tokens a prompt
 
     @classmethod
     def from_env(cls) -> "AppConfig":
+        entries = [m.strip() for m in os.environ.get("ENTMTP_APP_MODELS", "").split(",") if m.strip()]
         return cls(
             model=os.environ.get("ENTMTP_APP_MODEL") or DEFAULT_MODEL,
             hydra_heads=os.environ.get("ENTMTP_APP_HYDRA_HEADS") or None,
             medusa_heads=os.environ.get("ENTMTP_APP_MEDUSA_HEADS") or None,
             concurrency=int(os.environ.get("ENTMTP_APP_CONCURRENCY", "1")),
-            models=tuple(m.strip() for m in os.environ.get("ENTMTP_APP_MODELS", "").split(",") if m.strip()),
+            models=tuple(m.split("=", 1)[0].strip() for m in entries),
             fit=os.environ.get("ENTMTP_APP_FIT", "auto"),
+            model_heads=tuple((m.split("=", 1)[0].strip(), m.split("=", 1)[1].strip()) for m in entries if "=" in m),
+            build_prompts=int(os.environ.get("ENTMTP_APP_BUILD_PROMPTS", BankBuildConfig.calib_prompts)),
+            build_tokens=int(os.environ.get("ENTMTP_APP_BUILD_TOKENS", BankBuildConfig.calib_new_tokens)),
         )
 
     def registry(self) -> Models:
-        return Models(self.model, self.models, self.hydra_heads, self.medusa_heads, self.fit)
+        build = BankBuildConfig(calib_prompts=self.build_prompts, calib_new_tokens=self.build_tokens)
+        return Models(self.model, self.models, self.hydra_heads, self.medusa_heads, self.fit, dict(self.model_heads), build)
 
 
 def tree_plot(view: dict | None):
@@ -97,6 +108,7 @@ def make_race(service: Service):
             every = cadence(rt)[1]
             trees = bank_trees(rt, req.task)
             service.queue_fit(model, req.task)
+            service.queue_build(model, req.task)  # a model with no bank for the task: built here meanwhile
         steps = race_steps(service.key, req, model)
         try:
             head = next(steps)
@@ -353,7 +365,10 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                         "from the bank's traces (machine-independent); step times come from the machine chosen "
                         "below, and tokens/s is what they predict. Filled markers: trees used by a policy.")
             bank_info = gr.Markdown()
-            refit = gr.Button("Refit on this machine", size="sm")
+            with gr.Row():
+                refit = gr.Button("Refit on this machine", size="sm")
+                # a bank built here (`bank.ondemand`): its file, to commit beside a Space (docs/space.md)
+                download = gr.DownloadButton("Download this bank (built here)", visible=False, size="sm")
             with gr.Row():
                 hardware = gr.Radio([(label, key) for key, label in whatif.CHOICES.items()], value="here", scale=3,
                                     label="What if the step costs were those of… (refits the bank by exact simulation of its traces)")
@@ -417,12 +432,24 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             marks = served.marks_ago() if served is not None else []
             return plots.step_cost_figure(rt.live.history() if rt is not None else [], fitted, refits=marks)
 
+        def built_file(task, model):
+            """The Bank tab's download: the task's bank file where it was built here, else hidden."""
+            rt = models.loaded(model)
+            try:
+                if rt is not None and rt.built_here(task):
+                    return gr.update(value=str(rt.bank_file(task)), visible=True)
+            except (RaceError, LoadError):
+                pass
+            return gr.update(value=None, visible=False)
+
         def show(task, model, choice="here", r=0.1):
             """The race column's note and τ sliders (the bank as races use it), and the Bank tab."""
             bank, note = live(task, model)
             if bank is None:
-                return note, note, 0.8, 0.5, plots.front_figure(fallback_bank()), [], "", [], cost_history(None, model)
-            return note, note, *tau_defaults(bank), *what_if(bank, task, model, choice, r), cost_history(bank, model)
+                return (note, note, 0.8, 0.5, plots.front_figure(fallback_bank()), [], "", [], cost_history(None, model),
+                        built_file(task, model))
+            return (note, note, *tau_defaults(bank), *what_if(bank, task, model, choice, r), cost_history(bank, model),
+                    built_file(task, model))
 
         def what_if_event(task, model, choice, r, progress=gr.Progress()):
             bank, note = live(task, model)
@@ -433,7 +460,7 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                 service.fit(model, [task], "refit")
             return show(task, model, choice, r)
 
-        bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features, costs_plot]
+        bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features, costs_plot, download]
         bank_inputs = [task, model, hardware, ratio]
         for trigger in (task.change, model.blur, demo.load, event.then):
             trigger(show, bank_inputs, bank_outputs, api_visibility="private")
@@ -467,7 +494,11 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             fits = [f"`{task}` {st}" for (m, task), st in sorted(service.fits.items()) if m == name]
             if fits:
                 parts.append("fitting the banks to this machine: " + "; ".join(fits))
-            working = not service.ready.is_set() or any(not f.startswith("failed") for f in service.fits.values())
+            builds = [f"`{task}` {service.build_status(m, task)}" for (m, task) in sorted(service.builds) if m == name]
+            if builds:
+                parts.append("building banks here: " + "; ".join(builds))
+            working = (not service.ready.is_set() or any(not f.startswith("failed") for f in service.fits.values())
+                       or any(not b.startswith("failed") for b in service.builds.values()))
             return "<small>" + " · ".join(parts) + "</small>", working
 
         def tick(task, model, was_busy, choice, r):
@@ -490,8 +521,11 @@ demo = build_demo(CONFIG, service=SERVICE)
 
 
 def launch(app: gr.Blocks = demo, **kwargs):
-    """Serve `app` with the page styling (in Gradio 6 css belongs to launch())."""
-    return app.launch(css=CSS, **kwargs)
+    """Serve `app` with the page styling (in Gradio 6 css belongs to launch()); the banks built here
+    (under ENTMTP_CACHE) may be downloaded."""
+    built = cache_root() / "banks"
+    built.mkdir(parents=True, exist_ok=True)
+    return app.launch(css=CSS, allowed_paths=[*kwargs.pop("allowed_paths", []), str(built)], **kwargs)
 
 
 if __name__ == "__main__":

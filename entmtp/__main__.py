@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=g.seed)
     gen.add_argument("--typical", action="store_true", help="Hydra/Medusa typical acceptance (LOSSY, temperature > 0 only)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    b = BankBuildConfig()
+    gen.add_argument("--build-prompts", type=positive_int, default=b.calib_prompts,
+                     help="where the model has no bank for the task and one is built here first: its calibration prompts "
+                          "(default: %(default)s, as build-bank)")
+    gen.add_argument("--build-tokens", type=positive_int, default=b.calib_new_tokens,
+                     help="and the greedy tokens traced a prompt (default: %(default)s)")
     add_model_args(gen)
 
     t = TrainConfig()
@@ -266,6 +273,25 @@ def set_counts(text: str) -> tuple:
     return task_counts(text, EVAL_SETS, "evaluation set")
 
 
+def _bank_here(rt, task: str) -> None:
+    """Build the task's bank here where the model has none (`bank.ondemand`), with a progress bar;
+    a build cut short resumes from its last prompt the next time."""
+    if rt.bank_file(task) is not None:
+        return
+    from entmtp.runtime.weights import LoadError
+
+    try:
+        rt.heads("hydra")
+    except LoadError as e:
+        raise UsageError(f"no {task} bank for {rt.name}, and none can be built here: {e}") from None
+    cfg, where = rt.build_config, rt.built_file(task)
+    print(f"entmtp: no {task} bank for {rt.name}: building one here ({cfg.calib_prompts} calibration prompts, "
+          f"{cfg.calib_new_tokens} greedy tokens each, then every candidate tree timed), cached in {where}", file=sys.stderr)
+    t0 = time.perf_counter()
+    rt.ensure_bank(task, _progress)
+    print(f"entmtp: {task} bank built in {time.perf_counter() - t0:.0f} s: {where}", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from entmtp.bank.refit import policy_text
     from entmtp.data.prompts import read_prompt_file
@@ -282,9 +308,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
             raise UsageError("--prompt is empty")
         items = [{"prompt": args.prompt, "task": args.task or "chat"}]
     rt = _runtime(args)
+    rt.build_config = replace(rt.build_config, calib_prompts=args.build_prompts, calib_new_tokens=args.build_tokens)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, typical=args.typical
     )
+    if args.method.startswith("entmtp-"):
+        for task in dict.fromkeys(it["task"] for it in items):
+            _bank_here(rt, task)
     if args.method.startswith("entmtp-") and rt.follow_live:  # what refits simulate, before the first clock (`bank.refit`)
         for task in dict.fromkeys(it["task"] for it in items):
             rt.served(task).wait()

@@ -21,10 +21,11 @@ from entmtp.bank.fit import ceiling_text, through_heads
 from entmtp.bank.live import LiveCosts
 from entmtp.bank.refit import policy_text
 from entmtp.bank.predict import predict
-from entmtp.config import TASKS, GenerationConfig, ModelConfig
+from entmtp.config import TASKS, BankBuildConfig, GenerationConfig, ModelConfig
 from entmtp.spec.engine import StepRecord, Strategy
 from entmtp.runtime.weights import LoadError
-from entmtp.runtime.runtime import Runtime, bank_path, load_runtime, resolve_bank
+from entmtp.bank.ondemand import read_status, status_text
+from entmtp.runtime.runtime import CHAT_TEMPLATE, Runtime, bank_path, load_runtime, resolve_bank
 from entmtp.spec.policy import LadderPolicy, Policy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import chain_paths, compile_tree
 
@@ -131,10 +132,13 @@ class Models:
     """
 
     def __init__(self, default: str, allowed: tuple[str, ...], hydra_heads: str | None = None,
-                 medusa_heads: str | None = None, fit_mode: str = "auto"):
+                 medusa_heads: str | None = None, fit_mode: str = "auto", model_heads: dict[str, str] | None = None,
+                 build: BankBuildConfig | None = None):
         self.default, self.allowed = default, tuple(dict.fromkeys((default, *allowed)))
         self.heads = {"hydra": hydra_heads, "medusa": medusa_heads}
+        self.model_heads = dict(model_heads or {})  # another model's Hydra heads (ENTMTP_APP_MODELS' model=heads)
         self.fit_mode = fit_mode
+        self.build = build or BankBuildConfig()  # the budget of a bank built here (`bank.ondemand`)
         self._runtimes: dict[str, Runtime] = {}
         self._runtime_locks: dict[str, PerProcess] = {}
         self._locks: dict[str, PerProcess] = {}
@@ -158,9 +162,10 @@ class Models:
         with self.lock(name):
             if name not in self._runtimes:
                 own = name == self.default  # head paths from the environment apply to the app's own model
-                rt = load_runtime(ModelConfig(model=name), self.heads["hydra"] if own else None,
+                rt = load_runtime(ModelConfig(model=name), self.heads["hydra"] if own else self.model_heads.get(name),
                                   self.heads["medusa"] if own else None, fit_mode=self.fit_mode)
                 rt.fingerprint_from = gpu.page_fingerprint
+                rt.build_config = self.build
                 self._runtime_locks[name] = PerProcess()
                 self._runtimes[name] = rt
         return self._runtimes[name]
@@ -187,11 +192,11 @@ def fallback_bank() -> TopologyBank:
 
 
 def has_bank(rt: Runtime | str, task: str) -> bool:
-    """Whether a bank file exists for the task: a runtime's (in its banks folder), or a model
-    name's in the default banks folder (a model not loaded yet)."""
+    """Whether a bank file exists for the task: a runtime's (in its banks folder, or built here:
+    `Runtime.bank_file`), or a model name's in the default banks folder (a model not loaded yet)."""
     if isinstance(rt, str):
         return bank_path(rt, task).exists()
-    return bank_path(rt.name, task, rt.banks_dir).exists()
+    return rt.bank_file(task) is not None
 
 
 def bank_for(rt: Runtime, task: str, progress: Callable | None = None, mode: str | None = None,
@@ -211,7 +216,7 @@ def bank_trees(rt: Runtime, task: str) -> TopologyBank:
     if not has_bank(rt, task):
         return fallback_bank()
     try:
-        return resolve_bank(rt.name, task, rt.banks_dir)
+        return rt.bank_from_file(task)
     except LoadError as e:
         raise RaceError(str(e)) from None
 
@@ -225,16 +230,35 @@ def bank_note(rt: Runtime, task: str, bank: TopologyBank) -> str:
     """One truthful line on where the bank's numbers come from."""
     if bank.meta.get("fallback"):
         return (f"⚠️ **Built-in fallback bank** (4 small trees, thresholds not calibrated): no `{task}` bank for "
-                f"`{rt.name}` yet. Build one with `python -m entmtp build-bank --task {task}`.")
+                f"`{rt.name}` yet. " + building_note(rt, task) + prompt_note(rt))
     fit = bank.fit
     where = ("fitted to **this machine**" if fit.get("fingerprint") == rt.fingerprint
              else "⚠️ shipped fit, measured on **another machine**")
+    if bank.meta.get("provenance", {}).get("built_here"):
+        where = f"**built here** on first use (its traces and fit measured on this machine; {bank.meta['provenance'].get('calibration', '')}), " + where
     degenerate = "; ".join(f"{k} {v}" for k, v in fit.get("degenerate", {}).items())
     return (f"Bank `{task}`: {len(bank)} trees ({', '.join(t.name for t in bank.trees)}); {where}: "
             f"{fit.get('hardware', '?')}, {fit.get('date', '')}. Policy feature: `{fit.get('feature', 'p0')}`"
             + through_heads(fit) + "."
             + (f" Note: {degenerate}." if degenerate else "")
-            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else "") + served_note(rt, task))
+            + (f" Ceiling: {ceiling_text(fit)}." if fit.get("ceiling") else "") + served_note(rt, task) + prompt_note(rt))
+
+
+def building_note(rt: Runtime, task: str) -> str:
+    """How far this model's bank for the task is built here (`bank.ondemand`), or how to build one."""
+    where = rt.built_file(task)
+    if where is None:  # no Hydra heads to trace
+        return f"Build one with `python -m entmtp build-bank --task {task}` once the model has Hydra heads."
+    st = read_status(where)
+    if st.get("stage") == "waiting":
+        return "It is built here after the first race on this task (traces of its calibration prompts, then every tree timed)."
+    return f"**Building it here**: {status_text(st)}. Races use the fallback until it is done."
+
+
+def prompt_note(rt: Runtime) -> str:
+    """The prompt format where the model has no chat template of its own."""
+    fmt = rt.prompt_format
+    return "" if fmt == CHAT_TEMPLATE else f" Prompts: {fmt}."
 
 
 def served_note(rt: Runtime, task: str) -> str:
@@ -483,7 +507,7 @@ def live_bank(models: Models, task: str, model: str | None, status: str = "") ->
     name = models.check(model)
     rt = models.loaded(name)
     if rt is None or (has_bank(rt, task) and rt.needs_calibration(task)):
-        bank = fallback_bank() if rt is None and not has_bank(name, task) else resolve_bank(name, task)
+        bank = (fallback_bank() if not has_bank(name, task) else resolve_bank(name, task)) if rt is None else rt.bank_from_file(task)
         hw = bank.fit.get("hardware", "?")
         note = (f"Bank `{task}`: {len(bank)} trees; showing its **shipped fit, measured on another machine** ({hw}, "
                 f"{bank.fit.get('date', '')}). Races use it until a fit measured here exists"

@@ -11,6 +11,7 @@ with the bank file's shipped fit (and says so) while the fit is measured in the 
 from __future__ import annotations
 
 import contextvars
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from entmtp.app import gpu
 from entmtp.app.counterfactual import counterfactual
 from entmtp.app.lesson import lesson_step
 from entmtp.app.race import (Models, PerProcess, RaceError, Request, bank_for, bank_note, entmtp_policy, has_bank, start)
+from entmtp.bank.ondemand import BankBuild, read_status, status_text
 from entmtp.config import GenerationConfig
 from entmtp.config import DEFAULT_MODEL, TASKS
 from entmtp.model import ext
@@ -44,6 +46,11 @@ CPU_YIELDS_PER_S, CPU_CHART_EVERY_S = 4, 2.5
 RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's graphs, two prefills) and the counterfactual pass
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
+# A bank built here (`bank.ondemand`): GPU seconds a piece of it asks for, and the seconds it builds
+# for within them (after a cold worker's start, before the margin); ENTMTP_APP_BUILD_PIECE_S sets
+# the second shorter (tests).
+BUILD_CALL_S = 90.0
+BUILD_PIECE_S = float(os.environ.get("ENTMTP_APP_BUILD_PIECE_S", BUILD_CALL_S - RACE_START_S - 3.0))
 DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
 _services: dict[int, "Service"] = {}
 
@@ -134,6 +141,9 @@ class Service:
         self.error: str | None = None
         self.ready = threading.Event()
         self.fits: dict[tuple[str, str], str] = {}  # (model, task) -> what its background fit is doing
+        self.builds: dict[tuple[str, str], str] = {}  # (model, task) -> "queued" | "building" | "failed: ..." (a bank built here)
+        self._build_queue: queue.Queue = queue.Queue()
+        self._builder: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
         self._fitter: threading.Thread | None = None
         self._guard = threading.Lock()
@@ -181,9 +191,10 @@ class Service:
             self.ready.set()
             return
         self.ready.set()
-        if not gpu.zero_gpu():  # on ZeroGPU a fit is a GPU call: it waits for a visitor's race (`queue_fit`)
+        if not gpu.zero_gpu():  # on ZeroGPU a fit or a build is a GPU call: it waits for a visitor's race
             for task in TASKS:
                 self.queue_fit(None, task)
+                self.queue_build(None, task)
 
     def _builds_kernels(self) -> bool:
         """Whether loading the app's model will use (and so first build) the CPU kernels."""
@@ -245,6 +256,59 @@ class Service:
             gpu.remember(fingerprint)
         self.models.get(name).adopt_fits(fits)
 
+    # -- banks built here, where a model has none (`bank.ondemand`) --------------------------------
+
+    def queue_build(self, model: str | None, task: str) -> None:
+        """Build the task's bank for the model in the background where it has none (shipped or built
+        here) and its Hydra heads load: on ZeroGPU as a sequence of GPU calls (`build_piece`), each
+        charged to the request of the visitor whose race asked for it; elsewhere in one go, each
+        prompt's traces and each block of timing giving way to races (`Turns.fit_block`). Races
+        meanwhile use the fallback bank and say how far the build is."""
+        name = self.models.check(model)
+        rt = self.models.loaded(name)
+        if rt is None or rt.bank_file(task) is not None or rt.built_file(task) is None:
+            return
+        with self._guard:
+            if (name, task) in self.builds and not self.builds[(name, task)].startswith("failed"):
+                return
+            self.builds[(name, task)] = "queued"
+            self._build_queue.put((name, task, contextvars.copy_context()))
+            if self._builder is None:
+                self._builder = threading.Thread(target=self._build_loop, name="entmtp-build", daemon=True)
+                self._builder.start()
+
+    def _build_loop(self) -> None:
+        while True:
+            name, task, context = self._build_queue.get()
+            try:
+                context.run(self.build, name, task)
+            except Exception as e:  # the page shows it; races keep the fallback
+                self.builds[(name, task)] = f"failed: {e}"
+
+    def build(self, model: str | None, task: str) -> None:
+        """Build the task's bank piece by piece (`build_piece`) until it is done."""
+        name = self.models.check(model)
+        self.builds[(name, task)] = "building"
+        while True:
+            got = build_piece(self.key, name, task)
+            if gpu.zero_gpu():
+                gpu.remember(got["fingerprint"])
+            if got["done"]:
+                break
+        self.builds.pop((name, task), None)
+
+    def build_status(self, model: str | None, task: str) -> str:
+        """One line on the task's bank being built here ("" where none is)."""
+        name = self.models.check(model)
+        state = self.builds.get((name, task))
+        if state is None:
+            return ""
+        if state.startswith("failed"):
+            return state
+        rt = self.models.loaded(name)
+        where = rt.built_file(task) if rt is not None else None
+        return status_text(read_status(where)) if where is not None else state
+
     def progress(self, name: str, tasks: tuple[str, ...]):
         """A calibration progress callback that keeps the page's fit status current."""
 
@@ -269,6 +333,20 @@ def fit_banks(key: int, model: str, tasks: tuple[str, ...], mode: str = "auto") 
     with page_errors("Cannot fit the bank", (LoadError,)):
         banks = rt.banks(list(tasks), svc.progress(model, tasks), mode, svc.turns.fit_block)
     return rt.fingerprint, {task: bank.fit for task, bank in banks.items()}
+
+
+@gpu.on_gpu(duration=lambda key, model, task: BUILD_CALL_S)
+def build_piece(key: int, model: str, task: str) -> dict[str, Any]:
+    """A piece of the task's bank built on this device (`bank.ondemand.BankBuild.advance`): on
+    ZeroGPU until BUILD_PIECE_S have passed, between two prompts or before a timing stage that
+    would not end in time; elsewhere to the end. -> {"done", "status", "fingerprint"}."""
+    svc = _services[key]
+    t0 = time.monotonic()
+    with page_errors("Cannot build the bank", (LoadError,)):
+        rt = svc.models.get(model)
+        job = BankBuild(rt, task)
+        bank = job.advance(t0 + BUILD_PIECE_S if gpu.zero_gpu() else None, svc.turns.fit_block)
+    return {"done": bank is not None, "status": job.status(), "fingerprint": rt.fingerprint}
 
 
 @gpu.on_gpu(duration=lambda key, req, model=None: race_seconds(req))

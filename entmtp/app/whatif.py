@@ -25,7 +25,6 @@ from entmtp.bank.calibrate import tree_key
 from entmtp.bank.fit import fit_task
 from entmtp.bank.live import LiveCosts
 from entmtp.config import BASELINE_TREE, ROOT, TREES_FILE
-from entmtp.runtime.runtime import resolve_bank
 from entmtp.spec.topology import Tree, load_named_trees
 
 GPU_RESULTS = ROOT / "benchmarks" / "gpu"
@@ -180,7 +179,7 @@ def bank_tab(rt, task: str, choice: str, r: float, live: TopologyBank, fitted_he
             return ("No step has been timed on this machine yet: race once, and the costs of now appear here "
                     "(each tree from its own recent steps, the rest on the fit's shape)."), live
     elif choice == "shipped":
-        shipped = resolve_bank(rt.name, task, rt.banks_dir)
+        shipped = rt.bank_from_file(task)
         curve = from_fit("shipped", shipped, shipped.shipped_fit, f"measured on {shipped.shipped_fit.get('hardware', '?')}")
     elif choice == "gpu":
         path = latest_gpu_result()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -120,6 +121,7 @@ def build_bank(
     baseline: Tree | None = None,
     answers=None,
     book: Phrasebook | None = None,
+    turn=None,
 ) -> TopologyBank:
     """Traces, candidate trees, and this machine's fit as the bank's shipped fit (resumable).
 
@@ -136,7 +138,7 @@ def build_bank(
     paths = [t.rank_path(i) for t in traces for i in range(len(t))]
     trees = candidates(paths, cfg)
     bank = TopologyBank(trees, [{} for _ in trees], {"static": StaticPolicy(0)}, meta, traces)
-    fit = time_and_fit(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress, book=book)[meta["task"]]
+    fit = time_and_fit(engine, heads, {meta["task"]: bank}, fp, calib, baseline, progress, turn or nullcontext, book)[meta["task"]]
     bank.shipped_fit = fit
     return bank.with_fit(fit)
 
@@ -162,12 +164,15 @@ def calibration_prompts(task: str, prompts_file: str | None, n: int) -> tuple[li
 
 def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: BankBuildConfig, work: Path | None,
                     fresh: bool, command: str, progress: Progress | None = None,
-                    rule: Rule | None = PhrasebookRule()) -> TopologyBank:
+                    rule: Rule | None = PhrasebookRule(), turn=None, answers="repository",
+                    calib: CalibrateConfig | None = None) -> TopologyBank:
     """`build_bank` for a loaded runtime (`runtime.Runtime`): its Hydra heads, Hydra's
     default tree scored beside the candidates, provenance filled in. Stages checkpoint under
     `work` (default: checkpoints/bank/<model>/<task>). The default model's greedy continuations
     come from, and go to, the repository's answer store. `rule`: draft the traces with the model's
-    phrasebook under it (None: the heads alone)."""
+    phrasebook under it (None: the heads alone). `turn`: each block of timing runs inside it (a
+    server's races go between two, `calibrate.measure_costs`); `answers`: where the greedy
+    continuations come from and go to (default: the repository's store, for the default model)."""
     from entmtp.data.answers import repo_store
 
     heads = rt.heads("hydra")
@@ -193,4 +198,5 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
     ids = [rt.encode(t) for t in texts]
     baseline = rt.strategy("hydra", task).trees[0]  # Hydra's default tree, scored for comparison
     return build_bank(rt.engine, heads, ids, cfg, Stages(work, fresh), {"model": rt.slug, "task": task, "provenance": provenance},
-                      rt.fingerprint, progress=progress, baseline=baseline, answers=repo_store(rt.name, rt.arithmetic), book=book)
+                      rt.fingerprint, calib or rt.calibrate_config, progress=progress, baseline=baseline,
+                      answers=repo_store(rt.name, rt.arithmetic) if answers == "repository" else answers, book=book, turn=turn)

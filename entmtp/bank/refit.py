@@ -59,7 +59,7 @@ class _Family:
         member = np.zeros((len(policies), T), dtype=bool)
         for c, ts in enumerate(picks):
             member[c, list(ts)] = True
-        return cls(policies, member, counts.reshape(len(policies), -1))
+        return cls(policies, member, counts.reshape(len(policies), int(np.prod(counts.shape[1:]))))  # no candidate: (0, ...)
 
 
 class Usage:

@@ -4,6 +4,8 @@ engine's decode loop or transformers `generate`) on one loaded model, with its f
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import re
 import threading
 import time
@@ -23,6 +25,7 @@ from entmtp.config import (
     METHODS,
     TASKS,
     TREES_FILE,
+    BankBuildConfig,
     CalibrateConfig,
     GenerationConfig,
     ModelConfig,
@@ -48,8 +51,9 @@ def default_heads_dir(model_name: str, kind: str) -> Path:
     return HEADS_DIR / model_slug(model_name) / kind
 
 
-def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -> DraftHeads:
-    """Heads from a local folder, a hub repo (only if named), or the shipped default."""
+def heads_dir(model_name: str, kind: str, heads: str | None = None) -> Path:
+    """The folder of a model's heads: a local folder, a hub repo's files (fetched, only if named),
+    or the shipped default. LoadError where there is none."""
     if heads is None:
         path = default_heads_dir(model_name, kind)
         if not path.exists():
@@ -65,6 +69,12 @@ def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -
         path = fetch_hub_heads(heads)
     else:
         raise LoadError(f"heads not found: {heads!r} is neither a folder nor a hub repo id")
+    return path
+
+
+def resolve_heads(model, model_name: str, kind: str, heads: str | None = None) -> DraftHeads:
+    """Heads from a local folder, a hub repo (only if named), or the shipped default."""
+    path = heads_dir(model_name, kind, heads)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     try:
         loaded = load_heads(path, cfg)
@@ -104,7 +114,8 @@ def bank_path(model_name: str, task: str, banks_dir: Path = BANKS_DIR) -> Path:
 def resolve_bank(model_name: str, task: str, banks_dir: Path = BANKS_DIR) -> TopologyBank:
     path = bank_path(model_name, task, banks_dir)
     if not path.exists():
-        raise LoadError(f"no {task} bank for {model_name} at {path}; build it with `python -m entmtp build-bank --task {task}`")
+        raise LoadError(f"no {task} bank for {model_name} at {path}; build it with `python -m entmtp build-bank --task {task}` "
+                        "(generate builds one here for an EntMTP method)")
     try:
         return load_bank(path)
     except BankError as e:
@@ -140,7 +151,10 @@ class Runtime:
     live: LiveCosts = field(default_factory=LiveCosts)
     # whether EntMTP's policies follow the live costs while serving (refits and probes, `bank.refit`)
     follow_live: bool = True
+    # the budget of a bank built here, where the model has none (`bank.ondemand`)
+    build_config: BankBuildConfig = field(default_factory=BankBuildConfig)
     _served: dict[str, LiveFit] = field(default_factory=dict)
+    _digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def slug(self) -> str:
@@ -210,7 +224,7 @@ class Runtime:
         if not self._trees:
             self._trees = load_named_trees(TREES_FILE)
         root, fp = self.fits_root, self.fingerprint
-        need = {t: resolve_bank(self.name, t, self.banks_dir) for t in wanted}
+        need = {t: self.bank_from_file(t) for t in wanted}
         timing = mode == "refit" or any(known_fit(b, fp, root, mode) is None for b in need.values())
         with self._timing if timing else contextlib.nullcontext():  # a second caller finds the first one's fit
             if timing and mode != "refit":
@@ -228,22 +242,81 @@ class Runtime:
 
     def needs_calibration(self, task: str) -> bool:
         """True when the task's bank has no fit for this machine yet (using it will time its trees first)."""
-        if task in self._banks:
+        if task in self._banks or self.bank_file(task) is None:  # no bank: nothing to time (races use a fallback)
             return False
-        bank = resolve_bank(self.name, task, self.banks_dir)
+        bank = self.bank_from_file(task)
         return known_fit(bank, self.fingerprint, self.fits_root, self.fit_mode) is None
 
     def fitted_here(self, task: str) -> bool:
         """Whether the task's bank has a fit measured on this machine (never times anything)."""
         fp = self.fingerprint
-        fit = self._banks[task].fit if task in self._banks else known_fit(
-            resolve_bank(self.name, task, self.banks_dir), fp, self.fits_root, self.fit_mode)
+        fit = self._banks[task].fit if task in self._banks else known_fit(self.bank_from_file(task), fp, self.fits_root, self.fit_mode)
         return fit is not None and fit.get("fingerprint") == fp
 
     def adopt_fits(self, fits: dict[str, dict[str, Any]]) -> None:
         """Use fits measured elsewhere for this model's banks (by task): a GPU worker's, on ZeroGPU."""
         for task, fit in fits.items():
-            self._banks[task] = resolve_bank(self.name, task, self.banks_dir).with_fit(fit)
+            self._banks[task] = self.bank_from_file(task).with_fit(fit)
+
+    # -- where a bank comes from: shipped in banks/, else built here (`bank.ondemand`) -------------
+
+    def bank_file(self, task: str) -> Path | None:
+        """The task's bank file: the one shipped in the banks folder, else one built here for this
+        model and these heads (cached under ENTMTP_CACHE), else None."""
+        shipped = bank_path(self.name, task, self.banks_dir)
+        if shipped.exists():
+            return shipped
+        built = self.built_file(task)
+        return built if built is not None and built.exists() else None
+
+    def heads_digest(self, kind: str = "hydra") -> str:
+        """A hash of the heads' files (names and contents), without loading them (a ZeroGPU page
+        process must not run them): what a bank built here is keyed by. Once per runtime."""
+        if kind not in self._digests:
+            from entmtp.spec.headfiles import file_sha256
+
+            d = heads_dir(self.name, kind, self.heads_paths.get(kind))
+            files = sorted(p for p in d.rglob("*") if p.is_file() and p.name != "reranker.json")
+            self._digests[kind] = hashlib.sha256(json.dumps([(str(p.relative_to(d)), file_sha256(p)) for p in files]).encode()).hexdigest()[:16]
+        return self._digests[kind]
+
+    def built_file(self, task: str) -> Path | None:
+        """Where a bank built here for this model and its Hydra heads is cached (None: no Hydra heads)."""
+        from entmtp.bank.ondemand import built_path
+
+        try:
+            return built_path(self, task)
+        except LoadError:
+            return None
+
+    def built_here(self, task: str) -> bool:
+        """Whether the task's bank is one built here (not shipped)."""
+        got = self.bank_file(task)
+        return got is not None and got == self.built_file(task)
+
+    def bank_from_file(self, task: str) -> TopologyBank:
+        """The task's bank as its file has it (`bank_file`); LoadError where there is none."""
+        path = self.bank_file(task)
+        if path is None:
+            return resolve_bank(self.name, task, self.banks_dir)  # its error names the file and the way to build one
+        try:
+            return load_bank(path)
+        except BankError as e:
+            raise LoadError(str(e)) from None
+
+    def ensure_bank(self, task: str, progress: Any = None) -> TopologyBank:
+        """The task's bank, built here first where the model has none (`bank.ondemand.BankBuild`:
+        build-bank's stages, resumable, cached under ENTMTP_CACHE)."""
+        if self.bank_file(task) is None:
+            from entmtp.bank.ondemand import BankBuild
+
+            BankBuild(self, task).advance(progress=progress)
+        return self.bank(task)
+
+    def built_bank(self, task: str) -> TopologyBank:
+        """The task's bank once built here (its fit measured here), as `bank` serves it."""
+        self._banks.pop(task, None)
+        return self.bank(task)
 
     def served(self, task: str) -> LiveFit:
         """The task's bank as served now: its fit, or the last refit of it at the live costs."""
@@ -325,25 +398,50 @@ class Runtime:
 
     def encode(self, prompt: str) -> list[int]:
         """The user message in the model's chat template, as token ids."""
-        return chat_ids(self.tokenizer, [prompt])[0]
+        return chat_ids(self.tokenizer, [prompt], self.name)[0]
 
     def encode_all(self, prompts: list[str]) -> list[list[int]]:
         """`encode` of each prompt, in one call of the tokenizer (each prompt's ids as alone)."""
-        return chat_ids(self.tokenizer, prompts)
+        return chat_ids(self.tokenizer, prompts, self.name)
+
+    @property
+    def prompt_format(self) -> str:
+        """How a user message becomes the model's prompt (`chat_ids`), in words."""
+        return prompt_format(self.tokenizer, self.name)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
-    """Each user message in the tokenizer's chat template (where it has one), as token ids, in one
-    call of the tokenizer: each prompt's ids as it alone would get them."""
+CHAT_TEMPLATE = "the model's own chat template"
+# FastChat's `vicuna_v1.1` conversation (Vicuna v1.1 to v1.5, which ship no chat template): the system
+# message, then " USER: <message> ASSISTANT:" (its ADD_COLON_TWO style, separators " " and "</s>")
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the user's questions.")
+VICUNA = "FastChat's Vicuna v1.1 conversation format (the model has no chat template)"
+PLAIN = "the message as it is, a plain prompt (the model has no chat template)"
+
+
+def prompt_format(tok, model_name: str = "") -> str:
+    """Which format `chat_ids` puts a user message in for this tokenizer and model."""
+    if getattr(tok, "chat_template", None):
+        return CHAT_TEMPLATE
+    return VICUNA if "vicuna" in model_name.lower() else PLAIN
+
+
+def chat_ids(tok, prompts: list[str], model_name: str = "") -> list[list[int]]:
+    """Each user message in the tokenizer's chat template where it has one, else FastChat's Vicuna
+    format for a Vicuna model, else as it is; as token ids, in one call of the tokenizer: each
+    prompt's ids as it alone would get them."""
     if not prompts:
         return []
-    if getattr(tok, "chat_template", None):
+    fmt = prompt_format(tok, model_name)
+    if fmt == CHAT_TEMPLATE:
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
                  for p in prompts]
         return tok(texts, add_special_tokens=False)["input_ids"]
+    if fmt == VICUNA:
+        return tok([f"{VICUNA_SYSTEM} USER: {p} ASSISTANT:" for p in prompts])["input_ids"]
     return tok(list(prompts))["input_ids"]
 
 

@@ -198,6 +198,8 @@ class DraftHeads(nn.Module):
                 return gguf.BlockLinear(weight, bias, smooth, kind=kind)
             return kernels.Int8RowLinear(weight, bias, absmax)
 
+        # the LM heads' float rows first: a head's own LM head is among the children replaced below
+        lm_rows = {self._lm_key(i): self._lm_weights(i) for i in range(self.num_heads)}
         for name, child in self.named_children():
             if name == "prefix_embeding_layer":  # Hydra++'s prefix layer reads float32 base states
                 kernels.pack_linears(child)
@@ -214,7 +216,7 @@ class DraftHeads(nn.Module):
         self._lm_packed = {}
         for i in range(self.num_heads):
             if self._lm_key(i) not in self._lm_packed:
-                weight, bias = self._lm_weights(i)
+                weight, bias = lm_rows[self._lm_key(i)]
                 if int8:  # the LM head in Q8_0 whatever `blocks`: the base model's tied head is Q8_0 (its rows
                     # exact there), and in Q4_1 the drafts lost 1-2% of their acceptance (docs/kernels.md)
                     self._lm_packed[self._lm_key(i)] = quantized(weight, bias, seen.get(("lm", self._lm_key(i))), "q8_0")

@@ -501,9 +501,23 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
                        or any(not b.startswith("failed") for b in service.builds.values()))
             return "<small>" + " · ".join(parts) + "</small>", working
 
+        def building(task, model) -> bool:
+            """Whether the task's bank for the model is being built here now."""
+            try:
+                state = service.builds.get((models.check(model), task))
+            except RaceError:
+                return False
+            return state is not None and not state.startswith("failed")
+
         def tick(task, model, was_busy, choice, r):
             line, working = status_line(model)
-            refresh = show(task, model, choice, r) if was_busy and not working else (gr.skip(),) * len(bank_outputs)
+            if was_busy and not working:
+                refresh = show(task, model, choice, r)
+            elif building(task, model):  # the notes follow the build's progress (its status file), the rest waits for its end
+                note = live(task, model)[1]
+                refresh = (note, note) + (gr.skip(),) * (len(bank_outputs) - 2)
+            else:
+                refresh = (gr.skip(),) * len(bank_outputs)
             return line, working, gr.Timer(active=working), *refresh
 
         timer.tick(tick, [task, model, busy, hardware, ratio], [weights_note, busy, timer, *bank_outputs], api_visibility="private",

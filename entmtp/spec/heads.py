@@ -282,15 +282,23 @@ class DraftHeads(nn.Module):
     @torch.inference_mode()
     def _input_absmax(self, features: torch.Tensor, ids: torch.Tensor) -> dict[Any, torch.Tensor]:
         """Per-channel max |input| of every head linear (and, under ("lm", key), of the LM head)
-        with the heads run in float32 on `features` along the true paths in `ids`."""
+        with the heads run on `features` along the true paths in `ids`: in float64, rounded to
+        float32 at the end, so that the smoothing (and so the served heads' bits, and a bank's
+        traces) does not follow the thread count or the instruction set of a float32 product's
+        sums (in float32, 1 and 2 threads gave 59-214 of a head's 576 factors apart)."""
         n = min(len(features), len(ids) - self.num_heads)
-        features = features[:n].float()
-        with kernels.input_absmax(self) as seen:
-            for i in range(self.num_heads):
-                paths = torch.stack([ids[j : j + n] for j in range(i + 1)], dim=1).to(features.device)
-                h = self.head_hidden(i, features, paths).float().abs().amax(0)
-                key = ("lm", self._lm_key(i))
-                seen[key] = h if key not in seen else torch.maximum(seen[key], h)
+        features = features[:n].double()
+        dtype = next(self.parameters()).dtype
+        self.double()  # exact both ways from float32
+        try:
+            with kernels.input_absmax(self) as seen:
+                for i in range(self.num_heads):
+                    paths = torch.stack([ids[j : j + n] for j in range(i + 1)], dim=1).to(features.device)
+                    h = self.head_hidden(i, features, paths).abs().amax(0).float()
+                    key = ("lm", self._lm_key(i))
+                    seen[key] = h if key not in seen else torch.maximum(seen[key], h)
+        finally:
+            self.to(dtype)
         return dict(seen)
 
     def to_token_ids(self, idx: torch.Tensor) -> torch.Tensor:

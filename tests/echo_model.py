@@ -3,10 +3,12 @@ heads that predict it: the fixture of banks built where they are needed (tests/t
 the browser test, scripts/ondemand_race.py).
 
 Its layers add nothing to the residual stream (every o_proj and down_proj is zero), so the last
-state is the current token's embedding, normalised, and the LM head (the embedding's rows) picks
-the next token from it alone. Head d of the Hydra file reads [state ; E(root) ; ... ; E(path_d)],
-passes the last embedding on unchanged (its ResBlock's residual map selects it, its SiLU branch is
-zero) and scores it with the same rows: the token the model puts after path_d. So drafts are
+state is the current token's embedding, normalised, and the LM head (the embedding's rows moved
+down one place, scaled so that the model is sure of itself) puts token t + 1 after token t: its
+answers are runs of consecutive token ids, text on the page. Head d of the Hydra file reads
+[state ; E(root) ; ... ; E(path_d)], passes the last embedding on unchanged (its ResBlock's
+residual map selects it, its SiLU branch is zero) and scores it with the same rows: the token the
+model puts after path_d. So drafts are
 accepted far down the chain, as a trained head's would be, and a bank built on it has trees to
 choose from. Written as zankner/Hydra's trainer saves a checkpoint (`hydra_lm_head.pt` and its
 config), as tests/test_heads.py writes the official layouts."""
@@ -41,7 +43,7 @@ def echo_model(d: Path, max_positions: int = 2048) -> tuple[Path, Path]:
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        model.lm_head.weight.copy_(embed)
+        model.lm_head.weight.copy_(embed.roll(1, dims=0) * 100)  # row j scores token j - 1's embedding: t is followed by t + 1
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     state = {"input_embed_fn.weight": embed.detach().clone()}
@@ -51,7 +53,7 @@ def echo_model(d: Path, max_positions: int = 2048) -> tuple[Path, Path]:
         select[:, width - HIDDEN:] = torch.eye(HIDDEN)
         state |= {f"hydra_mlp.{i}.0.linear.weight": torch.zeros(HIDDEN, width), f"hydra_mlp.{i}.0.linear.bias": torch.zeros(HIDDEN),
                   f"hydra_mlp.{i}.0.res_connection.weight": select, f"hydra_mlp.{i}.0.res_connection.bias": torch.zeros(HIDDEN),
-                  f"hydra_lm_head.{i}.weight": embed.detach().clone(), f"hydra_lm_head.{i}.bias": torch.zeros(len(tok))}
+                  f"hydra_lm_head.{i}.weight": embed.detach().roll(1, dims=0) * 5000, f"hydra_lm_head.{i}.bias": torch.zeros(len(tok))}
     heads_dir.mkdir(parents=True, exist_ok=True)
     (heads_dir / "config.json").write_text(json.dumps({
         "base_model_name_or_path": "echo-llama", "grounded_heads": True, "hidden_state_offset": 0, "hydra_head_arch": "mlp",

@@ -95,22 +95,23 @@ def test_a_bank_built_here_through_the_page(space):
             building = page.locator("p:visible", has_text="Building it here")
             built = page.locator("p:visible", has_text="built here on first use")
             seen: list[str] = []  # every text of the status line and the note, as they changed
-            shot = False
+            agreed = shot = False  # the note said what the status line said (both follow the build), the screenshot taken
             deadline = time.monotonic() + 600
             while True:
                 line, notes = progress.all_inner_texts(), building.all_inner_texts()
                 seen += [t for t in line + notes if t not in seen]
-                if line and notes and not shot:  # both say how far the build is: the screenshot of the page while it builds
+                now = [t.split("building banks here: code ", 1)[-1] for t in line]
+                agreed = agreed or any(stage in note for stage in now for note in notes)
+                if line and notes and not shot:  # both say how far the build is: the page while it builds
                     page.screenshot(path=os.path.join(ASSETS, "screenshot-ondemand-building.png"))
                     shot = True
                 if built.count() and progress.count() == 0 and pieces(log) >= 3:
                     break
                 assert time.monotonic() < deadline, (pieces(log), seen)
                 page.wait_for_timeout(200)
-            print("\n".join(["progress seen:", *seen]))
             assert any("building banks here: code" in t for t in seen), seen
-            assert any("Building it here: tracing the calibration prompts" in t for t in seen), seen
-            assert shot, seen
+            assert any("Building it here: " in t for t in seen), seen  # tracing, or timing already (a fast machine)
+            assert shot and agreed, seen
             no_toast(page)
 
             # the second race: on the bank built here, fitted to this machine

@@ -81,7 +81,7 @@ def test_stored_answers_hold_no_evaluation_prompt():
     from entmtp.runtime.weights import resolve_weights
 
     tok = AutoTokenizer.from_pretrained(resolve_weights().source)
-    encode = lambda text: Runtime.encode(type("R", (), {"tokenizer": tok})(), text)  # noqa: E731
+    encode = lambda text: Runtime.encode(type("R", (), {"tokenizer": tok, "name": DEFAULT_MODEL})(), text)  # noqa: E731
     store = AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", DEFAULT_MODEL)
     assert len(store.rows) > 1000
     lengths = {TrainConfig().answer_tokens, BankBuildConfig().calib_new_tokens}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from echo_model import echo_model
-from entmtp.__main__ import main
+from test_cli import cli
 from entmtp.app import gpu, service
 from entmtp.app.race import Models, Request
 from entmtp.app.service import Service, build_piece, race_steps
@@ -39,15 +39,6 @@ def cache(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("ENTMTP_CACHE", str(d))
     return d
-
-
-def cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def echo_runtime(echo, cache, build=SMALL):

@@ -109,17 +109,21 @@ def test_a_departure_refits_once_after_two_looks_and_the_policy_follows(chat):
     served = LiveFit(bank, live, BASE).wait()
     fit = bank.fit
     ms = {t.name: fit["trees"][t.name]["step_ms"] for t in bank.trees}
+    tau = bank.policies["tau"]
+    small, large = bank.trees[tau.small], bank.trees[tau.large]  # the trees the fitted τ serves
     # the machine as fitted, a uniform 2x slower: no departure of the shape, no refit
-    _feed(live, clock, {"ar": (1, 2 * ms["n1-d0"]), "n2-d1": (2, 2 * ms["n2-d1"]), "n4-d3": (4, 2 * ms["n4-d3"])})
+    _feed(live, clock, {"ar": (1, 2 * ms["n1-d0"]), small.name: (small.n_nodes, 2 * ms[small.name]),
+                        large.name: (large.n_nodes, 2 * ms[large.name])})
     assert live.departure(fit) == pytest.approx(0.0, abs=1e-3)
     assert all(served.look(s, "entmtp-tau") is None for s in range(1, 200))
     # now the trees cost 3x a plain step's share more: every look past DEPART, a refit on the second
     clock.t += 500  # the old steps age out
-    _feed(live, clock, {"ar": (1, ms["n1-d0"]), "n2-d1": (2, 3 * ms["n2-d1"]), "n4-d3": (4, 3 * ms["n4-d3"])})
+    _feed(live, clock, {"ar": (1, ms["n1-d0"]), small.name: (small.n_nodes, 3 * ms[small.name]),
+                        large.name: (large.n_nodes, 3 * ms[large.name])})
     assert served.look(refit.CHECK_EVERY, "entmtp-tau") is None  # one look is not enough
     event = served.look(2 * refit.CHECK_EVERY, "entmtp-tau")
     assert event is not None and event["departure"] > refit.DEPART
-    assert event["old"].startswith("n2-d1 <-> n4-d3") and event["changed"] and event["new"] == "n1-d0"
+    assert event["old"].startswith(f"{small.name} <-> {large.name}") and event["changed"] and event["new"] == "n1-d0"
     assert served.policy("tau") == TauPolicy(0, 0, 1.0, 1.0, "p0", 0)  # plain decoding pays best at these costs
     assert served.fit["refit"]["departure"] == event["departure"] and event["refit_ms"] < 50
     # the refit's costs are the reference now: the same costs never refit again

@@ -46,12 +46,13 @@ CPU_YIELDS_PER_S, CPU_CHART_EVERY_S = 4, 2.5
 RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's graphs, two prefills) and the counterfactual pass
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
+DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
+FIT_STARTING = "measuring this machine: starting"  # a fit's status from its call until its first progress
 # A bank built here (`bank.ondemand`): GPU seconds a piece of it asks for, and the seconds it builds
 # for within them (after a cold worker's start, before the margin); ENTMTP_APP_BUILD_PIECE_S sets
 # the second shorter (tests).
 BUILD_CALL_S = 90.0
-BUILD_PIECE_S = float(os.environ.get("ENTMTP_APP_BUILD_PIECE_S", BUILD_CALL_S - RACE_START_S - 3.0))
-DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
+BUILD_PIECE_S = float(os.environ.get("ENTMTP_APP_BUILD_PIECE_S", BUILD_CALL_S - RACE_START_S - DEADLINE_MARGIN_S))
 _services: dict[int, "Service"] = {}
 
 
@@ -247,6 +248,8 @@ class Service:
         """Fit the tasks' banks to this machine (mode "refit": measure again) through `fit_banks`,
         and keep what it measured for the page."""
         name = self.models.check(model)
+        for task in tasks:  # under way from now, so that the page's timer (which stops when nothing is) keeps polling it
+            self.fits[(name, task)] = FIT_STARTING
         try:
             fingerprint, fits = fit_banks(self.key, name, tuple(tasks), mode)
         finally:  # the status line's "measuring" ends with the fit (a failure is the caller's to show)

@@ -292,7 +292,9 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             "# EntMTP: pick the draft tree every step\n"
             "Speculative decoding that stays **exactly** the model's output. EntMTP (left) chooses a "
             "draft tree per step from a bank fitted to the machine it runs on; the baseline (right) always "
-            f"verifies one tree. Model: `{cfg.model}`. Highlighted tokens came from accepted drafts."
+            f"verifies one tree. Model: `{cfg.model}`"
+            + (" (Advanced may pick another; the line below names the one picked)" if len(models.allowed) > 1 else "")
+            + ". Highlighted tokens came from accepted drafts."
         )
         weights_note = gr.Markdown("<small>start-up: loading…</small>")
         timer = gr.Timer(1.0)  # refreshes the start-up and fit status while either is under way

@@ -20,7 +20,9 @@ try:  # on a ZeroGPU Space `spaces` must be imported before anything initialises
 except ImportError:
     spaces = None
 
+import contextvars
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -458,9 +460,27 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             return what_if(bank, task, model, choice, r, progress) if bank is not None else (gr.skip(), gr.skip(), note, [])
 
         def do_refit(task, model, choice, r):
+            """Refit on this machine (a GPU call on ZeroGPU), the status line following it from this
+            event itself (the page's timer may not tick while an event of the page runs), then the
+            Bank tab redrawn."""
+            done, failed = threading.Event(), []
+
+            def work():
+                try:
+                    service.fit(model, [task], "refit")
+                except Exception as e:  # raised below, as the page shows errors
+                    failed.append(e)
+                finally:
+                    done.set()
+
+            context = contextvars.copy_context()  # a GPU call is charged to this request
+            threading.Thread(target=context.run, args=(work,), name="entmtp-refit", daemon=True).start()
+            while not done.wait(0.5):
+                yield (status_line(model)[0],) + (gr.skip(),) * len(bank_outputs)
             with page_errors("Cannot fit the bank", (LoadError,)):
-                service.fit(model, [task], "refit")
-            return show(task, model, choice, r)
+                if failed:
+                    raise failed[0]
+            yield (status_line(model)[0], *show(task, model, choice, r))
 
         bank_outputs = [bank_info, bank_note_md, tau_on, tau_off, front, table, whatif_md, features, costs_plot, download]
         bank_inputs = [task, model, hardware, ratio]
@@ -481,7 +501,7 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
             return gr.Timer(active=True)
 
         refit.click(start_refit, [task, model], timer, api_visibility="private").then(
-            do_refit, bank_inputs, bank_outputs, api_visibility="private", concurrency_id="race")
+            do_refit, bank_inputs, [weights_note, *bank_outputs], api_visibility="private", concurrency_id="race")
 
         def tau_controls(policy):  # the τ override exists for the τ policy only
             on = policy == "tau"

@@ -32,7 +32,7 @@ from entmtp.app import gpu, whatif
 from entmtp.app.race import (BASELINES, MAX_NEW_TOKENS, POLICIES, TEMPERATURE, Models, RaceError, Side, badge, bank_rows,
                              bank_trees, fallback_bank, live_bank, tau_defaults, tree_view, validate)
 from entmtp.app.lesson import explain
-from entmtp.app.service import FIT_STARTING, Service, cadence, lesson, page_errors, race_steps
+from entmtp.app.service import Service, cadence, lesson, page_errors, race_steps
 from entmtp.config import DEFAULT_MODEL, TASKS, BankBuildConfig
 from entmtp.figures import plots
 from entmtp.runtime.weights import LoadError, cache_root
@@ -491,16 +491,7 @@ def build_demo(cfg: AppConfig = AppConfig(), models: Models | None = None, servi
         bank_tab.select(lambda task, model: cost_history(live(task, model)[0], model), [task, model], costs_plot,
                         api_visibility="private", show_progress="hidden")
         ratio.input(what_if_event, bank_inputs, bank_outputs[4:8], api_visibility="private", trigger_mode="always_last")
-        def start_refit(task, model):
-            """The refit marked under way before the timer starts (a tick that finds nothing under way
-            stops the timer), then the timer: the status line follows the refit to its end."""
-            try:
-                service.fits[(models.check(model), task)] = FIT_STARTING
-            except RaceError:
-                pass  # do_refit names the error
-            return gr.Timer(active=True)
-
-        refit.click(start_refit, [task, model], timer, api_visibility="private").then(
+        refit.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private").then(
             do_refit, bank_inputs, [weights_note, *bank_outputs], api_visibility="private", concurrency_id="race")
 
         def tau_controls(policy):  # the τ override exists for the τ policy only

@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 import torch
@@ -47,7 +47,6 @@ RACE_START_S = 13.0  # a cold GPU worker (weights onto the device, the policy's 
 STEP_BUDGET_MS = 18.0  # per decode step and side: 1.5x an unknown GPU's slowest default step (H200: 3.5-10.3 ms)
 FIT_START_S, FIT_TASK_S = 20.0, 15.0  # a GPU fit: graphs for every tree, then each task's timing rounds
 DEADLINE_MARGIN_S = 3.0  # a race ends itself this long before the GPU time it asked for runs out
-FIT_STARTING = "measuring this machine: starting"  # a fit's status from its call until its first progress
 # A bank built here (`bank.ondemand`): GPU seconds a piece of it asks for, and the seconds it builds
 # for within them (after a cold worker's start, before the margin); ENTMTP_APP_BUILD_PIECE_S sets
 # the second shorter (tests).
@@ -129,6 +128,39 @@ class Turns:
                 st.cv.notify_all()
 
 
+class Background:
+    """Work by (model, task), queued and done one at a time on a daemon thread, each under the
+    context of the request that queued it (on ZeroGPU its GPU calls are charged to that visitor).
+    `states` says where each stands: "queued", then what the work writes there, "failed: …" where
+    it raised (queued again on the next `put`); the work removes its entry when done."""
+
+    def __init__(self, name: str, work: Callable[[str, str], None]):
+        self.states: dict[tuple[str, str], str] = {}
+        self._name, self._work = name, work
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def put(self, model: str, task: str) -> None:
+        """Queue the work for (model, task), unless it is queued or under way."""
+        with self._guard:
+            if (model, task) in self.states and not self.states[(model, task)].startswith("failed"):
+                return
+            self.states[(model, task)] = "queued"
+            self._queue.put((model, task, contextvars.copy_context()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            model, task, context = self._queue.get()
+            try:
+                context.run(self._work, model, task)
+            except Exception as e:  # the page shows it
+                self.states[(model, task)] = f"failed: {e}"
+
+
 class Service:
     """One page's models, start-up and fits; device work finds it again by `key` (an int, so that
     a GPU call's arguments stay small and picklable)."""
@@ -141,12 +173,11 @@ class Service:
         self.status = "not started"
         self.error: str | None = None
         self.ready = threading.Event()
-        self.fits: dict[tuple[str, str], str] = {}  # (model, task) -> what its background fit is doing
-        self.builds: dict[tuple[str, str], str] = {}  # (model, task) -> "queued" | "building" | "failed: ..." (a bank built here)
-        self._build_queue: queue.Queue = queue.Queue()
-        self._builder: threading.Thread | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._fitter: threading.Thread | None = None
+        # this machine's fits of the banks and the banks built here, in the background (races keep the
+        # shipped fit, or the fallback bank, meanwhile): (model, task) -> what each is doing
+        self._fitting = Background("entmtp-fit", lambda name, task: self.fit(name, [task], "auto"))
+        self._building = Background("entmtp-build", self.build)
+        self.fits, self.builds = self._fitting.states, self._building.states
         self._guard = threading.Lock()
         self._started = False
 
@@ -227,29 +258,14 @@ class Service:
         rt = self.models.loaded(name)
         if rt is None or self.models.fit_mode != "auto" or not has_bank(rt, task) or not rt.needs_calibration(task):
             return
-        with self._guard:
-            if (name, task) in self.fits and not self.fits[(name, task)].startswith("failed"):
-                return
-            self.fits[(name, task)] = "queued"
-            self._queue.put((name, task, contextvars.copy_context()))  # a GPU call is charged to the caller's request
-            if self._fitter is None:
-                self._fitter = threading.Thread(target=self._fit_loop, name="entmtp-fit", daemon=True)
-                self._fitter.start()
-
-    def _fit_loop(self) -> None:
-        while True:
-            name, task, context = self._queue.get()
-            try:
-                context.run(self.fit, name, [task], "auto")
-            except Exception as e:  # the Bank tab shows it; races keep the shipped fit
-                self.fits[(name, task)] = f"failed: {e}"
+        self._fitting.put(name, task)
 
     def fit(self, model: str | None, tasks: list[str], mode: str = "auto") -> None:
         """Fit the tasks' banks to this machine (mode "refit": measure again) through `fit_banks`,
         and keep what it measured for the page."""
         name = self.models.check(model)
-        for task in tasks:  # under way from now, so that the page's timer (which stops when nothing is) keeps polling it
-            self.fits[(name, task)] = FIT_STARTING
+        for task in tasks:  # under way from its call, not from its first progress: the status line says so at once
+            self.fits[(name, task)] = "measuring this machine: starting"
         try:
             fingerprint, fits = fit_banks(self.key, name, tuple(tasks), mode)
         finally:  # the status line's "measuring" ends with the fit (a failure is the caller's to show)
@@ -271,22 +287,7 @@ class Service:
         rt = self.models.loaded(name)
         if rt is None or rt.bank_file(task) is not None or rt.built_file(task) is None:
             return
-        with self._guard:
-            if (name, task) in self.builds and not self.builds[(name, task)].startswith("failed"):
-                return
-            self.builds[(name, task)] = "queued"
-            self._build_queue.put((name, task, contextvars.copy_context()))
-            if self._builder is None:
-                self._builder = threading.Thread(target=self._build_loop, name="entmtp-build", daemon=True)
-                self._builder.start()
-
-    def _build_loop(self) -> None:
-        while True:
-            name, task, context = self._build_queue.get()
-            try:
-                context.run(self.build, name, task)
-            except Exception as e:  # the page shows it; races keep the fallback
-                self.builds[(name, task)] = f"failed: {e}"
+        self._building.put(name, task)
 
     def build(self, model: str | None, task: str) -> None:
         """Build the task's bank piece by piece (`build_piece`) until it is done."""

@@ -61,6 +61,11 @@ def built_path(rt, task: str, cfg: BankBuildConfig | None = None) -> Path:
     return build_dir(rt, cfg or rt.build_config) / f"{task}.json"
 
 
+def work_dir(out: Path) -> Path:
+    """The stages and status of the build whose bank goes to `out`, until it is saved."""
+    return out.with_name(f"{out.stem}-work")
+
+
 class BankBuild:
     """One task's bank for a runtime's model and heads, built where it runs (resumable)."""
 
@@ -70,7 +75,7 @@ class BankBuild:
         self.calib = calib or rt.calibrate_config
         rt.heads("hydra")  # heads that do not fit the model fail here, before anything is built
         self.out = built_path(rt, task, self.cfg)
-        self.work = self.out.with_name(f"{task}-work")
+        self.work = work_dir(self.out)
 
     # -- where it stands ---------------------------------------------------------------------------
 
@@ -177,7 +182,7 @@ def read_status(out: Path) -> dict[str, Any]:
     if out.exists():
         return {"stage": "done", "path": str(out)}
     try:
-        return json.loads((out.with_name(out.stem + "-work") / "status.json").read_text())
+        return json.loads((work_dir(out) / "status.json").read_text())
     except (OSError, ValueError):
         return {"stage": "waiting"}
 

@@ -280,3 +280,33 @@ def test_every_policy_states_its_settle_bound_as_settled_decides():
                 assert picked == settled_tree if choose.settled(v) else unsettled_tree in (None, picked), (policy, history, v)
             choose(drive)
             history.append(drive)
+
+
+def test_the_chain_keeps_token_parts_without_changing_a_bit(model):
+    """Hydra heads on blocks read [h ; E(t_0) ; ...] in parts (`gguf.PartedLinear`): the chain keeps
+    each token's part once computed. Chains drawing on kept parts, and the same chains after they are
+    forgotten, give the same bits as the modules, which compute every part each call."""
+    heads = random_heads(model, "hydra")
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3))
+    packed = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+    assert packed.numerics.endswith("-parted")
+    assert all(isinstance(packed.head_blocks(i)[0].linear, gguf.PartedLinear) for i in range(packed.num_heads))
+    chain = packed._chain
+    chain.clear_kept()
+    with torch.inference_mode():
+        run = lambda: [packed.top1_on_blocks(feature, torch.tensor([[root]]), 4) for root, feature in features(model, packed, 6)]
+        runs = [run()]
+        entries, hits, misses = chain.kept()
+        assert misses > 0 and entries == misses  # each part computed once, then kept
+        runs.append(run())
+        assert chain.kept()[1] > hits and chain.kept()[2] == misses  # the second run drew on kept parts alone
+        chain.clear_kept()
+        assert chain.kept() == (0, 0, 0)
+        runs.append(run())
+        packed._chain = None
+        slow = [_top1(packed, feature, torch.tensor([[root]]), 4) for root, feature in features(model, packed, 6)]
+        packed._chain = chain
+    for run in runs:
+        for fast, ref in zip(run, slow):
+            assert torch.equal(fast[1], ref[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], ref[0]))
+            assert torch.equal(fast[2], ref[2])

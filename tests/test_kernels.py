@@ -95,7 +95,7 @@ def test_packed_heads_draft_like_stock_heads():
     blocks = gguf.extension() is not None
     int8 = blocks or kernels.int8_available("cpu")
     bf16 = not int8 and kernels.available("cpu", torch.bfloat16)
-    want = "q8-blocks-smoothed" if blocks else "int8-rows-smoothed" if int8 else "packed-bfloat16" if bf16 else "packed-float32"
+    want = "q8-blocks-smoothed-parted" if blocks else "int8-rows-smoothed" if int8 else "packed-bfloat16" if bf16 else "packed-float32"
     assert packed.numerics == want
     feature = torch.randn(3, model.config.hidden_size)
     path = torch.randint(0, model.config.vocab_size, (3, 2))

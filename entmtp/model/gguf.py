@@ -238,6 +238,50 @@ class BlockLinear(nn.Module):
                 f"{self.kind} blocks ({self.isa})")
 
 
+
+class PartedLinear(nn.Module):
+    """A Hydra head's widened linear, whose input is [h ; E(t_0) ; ... ; E(t_i)]: one `BlockLinear`
+    a part of `width` inputs (no bias), their outputs summed part by part in order (float32), then
+    the bias. The same weights, blocks and smoothing as one `BlockLinear` over the whole input; only
+    the sum's order differs (each part summed from zero). So a token's part is a function of the
+    token alone, and the heads' chain (`HeadChain`) keeps each one it has computed instead of
+    reading that part's weights again: what it computes is still, bit for bit, what these modules
+    compute over any batch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None, width: int,
+                 isa: str | None = None, kind: str = "q8_0"):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        if width % _BLOCK or self.in_features % width:
+            raise ValueError(f"PartedLinear: {self.in_features} inputs are not whole parts of {width} (whole blocks of {_BLOCK})")
+        self.width = width
+        cut = lambda t, j: None if t is None else t[..., j * width : (j + 1) * width]
+        self.parts = nn.ModuleList(BlockLinear(cut(w, j), None, cut(smooth, j), isa, kind) for j in range(self.in_features // width))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self.kind, self.isa = kind, self.parts[0].isa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        y = self.parts[0](x[..., : self.width].contiguous())
+        for j in range(1, len(self.parts)):
+            y = y + self.parts[j](x[..., j * self.width : (j + 1) * self.width].contiguous())
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        """Bytes one call through the modules streams (every part, the bias)."""
+        return sum(p.nbytes() for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def chain_nbytes(self) -> int:
+        """Bytes the heads' chain streams a call: the first part's weights, the bias, and each
+        token part's kept outputs (`out_features` float32 each) instead of its weights."""
+        kept = (len(self.parts) - 1) * self.out_features * 4
+        return self.parts[0].nbytes() + kept + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, parts of {self.width}, "
+                f"bias={self.bias is not None}, {self.kind} blocks ({self.isa})")
+
 def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GGUF rows of blocks -> (values, scale d, minimum m) in the file's layout, the scales fp16 as
     stored. A Q4_1 block is fp16 d, fp16 m and 16 bytes of nibbles; a Q8_0 block is fp16 d and 32

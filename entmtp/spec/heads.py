@@ -77,6 +77,7 @@ class DraftHeads(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # set by pack(): the heads' activations
         self.numerics = "float32"  # set by pack(): how the heads compute (q4_1-blocks, int8-rows, packed-bfloat16, ...)
         self.blocks = "q8_0"  # the GGUF block kind pack() serves the linears in where the extension does (heads.json "blocks")
+        self.parted = True  # pack() serves a widened ResBlock's linears in parts (`gguf.PartedLinear`); False: whole (probes)
         self._embed_probe: tuple[Path, torch.Tensor, torch.Tensor] | None = None  # set by load_heads (Hydra)
 
     # -- binding to a base model -------------------------------------------------------------
@@ -195,6 +196,10 @@ class DraftHeads(nn.Module):
         def quantized(weight, bias, absmax, kind=self.blocks, smooth_from=None):
             if blocks:
                 smooth = None if absmax is None else kernels.smooth_factors(weight if smooth_from is None else smooth_from, absmax)
+                if self.parted and smooth_from is not None and self.path_dependent and weight.shape[1] > self.hidden_size:
+                    # a widened ResBlock's linear reads [h ; E(t_0) ; ...]: a part a slice, so that the
+                    # chain keeps each token's part (`gguf.PartedLinear`) instead of reading its weights
+                    return gguf.PartedLinear(weight, bias, smooth, self.hidden_size, kind=kind)
                 return gguf.BlockLinear(weight, bias, smooth, kind=kind)
             return kernels.Int8RowLinear(weight, bias, absmax)
 
@@ -210,7 +215,8 @@ class DraftHeads(nn.Module):
                 kernels.pack_linears(child)
         self.compute_dtype = dtype
         if blocks:
-            self.numerics = ("q8" if self.blocks == "q8_0" else self.blocks) + "-blocks" + ("-smoothed" if seen else "")
+            parted = any(isinstance(m, gguf.PartedLinear) for m in self.modules())
+            self.numerics = ("q8" if self.blocks == "q8_0" else self.blocks) + "-blocks" + ("-smoothed" if seen else "") + ("-parted" if parted else "")
         else:
             self.numerics = ("int8-rows" + ("-smoothed" if seen else "")) if int8 else f"packed-{str(dtype).removeprefix('torch.')}"
         self._lm_packed = {}
@@ -244,8 +250,17 @@ class DraftHeads(nn.Module):
             present = lambda t: empty if t is None else t
             return [lin.qs, lin.d, present(lin.m), present(lin.smooth), present(lin.bias)]
 
+        def block(b) -> list[torch.Tensor]:  # a ResBlock's linear and residual; a parted pair part by part, the bias with the first
+            if not isinstance(b.linear, gguf.PartedLinear):
+                return parts(b.linear) + parts(b.res_connection)
+            lin, res = b.linear, b.res_connection
+            if not isinstance(res, gguf.PartedLinear) or len(res.parts) != len(lin.parts):
+                raise TypeError
+            with_bias = lambda m, j: parts(m.parts[j])[:4] + [m.bias if j == 0 and m.bias is not None else empty]
+            return [t for j in range(len(lin.parts)) for t in with_bias(lin, j) + with_bias(res, j)]
+
         try:
-            heads = [[parts(b.linear) + parts(b.res_connection) for b in self.head_blocks(i)] for i in range(self.num_heads)]
+            heads = [[block(b) for b in self.head_blocks(i)] for i in range(self.num_heads)]
             lm = [parts(self._lm_packed[self._lm_key(i)]) for i in range(self.num_heads)]
         except TypeError:
             return None

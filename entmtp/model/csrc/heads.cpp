@@ -87,7 +87,24 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
   for (size_t i = 0; i < heads.size(); ++i) {
     std::vector<Block> blocks;
     for (const auto& b : heads[i]) {
-      TORCH_CHECK(b.size() == 10, "HeadChain: a ResBlock is its linear and its residual linear, 5 tensors each");
+      TORCH_CHECK(!b.empty() && b.size() % 10 == 0, "HeadChain: a ResBlock is its linear and its residual linear, 5 tensors each (a part)");
+      if (b.size() > 10) {  // parted: each part's linear and residual side by side, the biases after the sum
+        TORCH_CHECK(present(this->embed) && blocks.empty() && static_cast<int64_t>(b.size()) == 10 * static_cast<int64_t>(i + 2),
+                    "HeadChain: head ", i, "'s first ResBlock has ", i + 2, " parts: [h ; E(root) ; ...]");
+        Block block;
+        for (size_t j = 0; j < b.size(); j += 10) {
+          const auto l = linear_of(b, j, hidden), r = linear_of(b, j + 5, hidden);
+          TORCH_CHECK(present(r.qs) && present(l.m) == present(r.m) && present(l.inv_smooth) == present(r.inv_smooth) &&
+                          (!present(l.inv_smooth) || at::equal(l.inv_smooth, r.inv_smooth)) && l.qs.size(0) * 16 == hidden &&
+                          (j == 0 || (!present(l.bias) && !present(r.bias))) && present(l.bias) == present(r.bias),
+                      "HeadChain: a part's two linears read their input alike, the biases with part 0");
+          auto cat2 = [](const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; };
+          block.parts.push_back({cat2(l.qs, r.qs), cat2(l.d, r.d), cat2(l.m, r.m), l.inv_smooth, at::Tensor(), 2 * hidden});
+          if (j == 0 && present(l.bias)) block.part_bias = cat2(l.bias, r.bias);
+        }
+        blocks.push_back(std::move(block));
+        continue;
+      }
       Block block{linear_of(b, 0, hidden), linear_of(b, 5, hidden), {}, false};
       const auto& l = block.lin;
       const auto& r = block.res;
@@ -120,6 +137,63 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
   return x;
 }
 
+const float* HeadChain::token_part(int64_t i, int64_t j, int64_t token) const {
+  const uint64_t key = (static_cast<uint64_t>(i) << 56) | (static_cast<uint64_t>(j) << 48) | static_cast<uint64_t>(token);
+  {
+    std::lock_guard<std::mutex> hold(kept_lock);
+    auto it = kept_parts.find(key);
+    if (it != kept_parts.end()) {
+      ++kept_hits;
+      return it->second.data();
+    }
+  }
+  TORCH_CHECK(token >= 0 && token < embed.size(0), "HeadChain: token ", token, " is outside the embedding");
+  const auto e = embed.narrow(0, token, 1);  // (1, hidden): PartedLinear's slice of [h ; E(t_0) ; ...]
+  const auto y = heads[i][0].parts[j](e, isa).contiguous();
+  std::vector<float> row(y.data_ptr<float>(), y.data_ptr<float>() + y.numel());
+  std::lock_guard<std::mutex> hold(kept_lock);
+  ++kept_misses;
+  if ((static_cast<int64_t>(kept_parts.size()) + 1) * 2 * hidden * static_cast<int64_t>(sizeof(float)) > kKeptBytes) kept_parts.clear();
+  auto [it, added] = kept_parts.emplace(key, std::move(row));  // a race's other decode may have kept it meanwhile: the same bits
+  return it->second.data();
+}
+
+std::tuple<int64_t, int64_t, int64_t> HeadChain::kept() const {
+  std::lock_guard<std::mutex> hold(kept_lock);
+  return {static_cast<int64_t>(kept_parts.size()), kept_hits, kept_misses};
+}
+
+void HeadChain::clear_kept() const {
+  std::lock_guard<std::mutex> hold(kept_lock);
+  kept_parts.clear();
+  kept_hits = kept_misses = 0;
+}
+
+at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const {
+  // PartedLinear.forward for the linear and its residual side by side: part 0 on h, + each token's
+  // part in order (float32 sums, as `y = y + part` rounds them), + the biases; then ResBlock's
+  // res + silu(lin) and the head's further blocks
+  const Block& b = heads[i][0];
+  auto y = b.parts[0](f, isa).contiguous();  // (1, 2 hidden)
+  float* yp = y.data_ptr<float>();
+  const int64_t n = 2 * hidden;
+  for (int64_t j = 1; j < static_cast<int64_t>(b.parts.size()); ++j) {
+    const float* t = token_part(i, j, path[j - 1]);
+    for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + t[k];
+  }
+  if (present(b.part_bias)) {
+    const float* bp = b.part_bias.data_ptr<float>();
+    for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + bp[k];
+  }
+  at::Tensor x = add_rows(y.narrow(1, hidden, hidden).contiguous(), at::silu(y.narrow(1, 0, hidden)));
+  for (size_t k = 1; k < heads[i].size(); ++k) {
+    const auto& c = heads[i][k];
+    auto r = present(c.res.qs) ? c.res(x, isa) : x;
+    x = add_rows(r, at::silu(c.lin(x, isa)));
+  }
+  return x;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                                     c10::optional<Force> force, double p0, double settle, bool strict,
                                                     int64_t settled_depth, int64_t unsettled_depth) const {
@@ -138,7 +212,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
   int64_t target = depth;
   for (int64_t d = first; d < target; ++d) {
     at::Tensor x = f;
-    if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
+    if (grounded && !heads[d][0].parts.empty()) {  // the first block on parts: the token parts kept
+      x = parted_hidden_of(d, f, path);
+    } else if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
       x = at::empty({1, (d + 2) * hidden}, feature.options());
       float* xp = x.data_ptr<float>();
       std::memcpy(xp, f.data_ptr<float>(), hidden * sizeof(float));
@@ -147,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
         std::memcpy(xp + (j + 1) * hidden, embed.data_ptr<float>() + path[j] * hidden, hidden * sizeof(float));
       }
     }
-    auto z = lm[d](hidden_of(d, x), isa);  // (1, K)
+    auto z = lm[d](grounded && !heads[d][0].parts.empty() ? x : hidden_of(d, x), isa);  // (1, K)
     // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
     const auto p = at::softmax(z, -1).contiguous();
     int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());

@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <mutex>
+#include <unordered_map>
 #include <tuple>
 #include <vector>
 
@@ -21,9 +23,14 @@ struct HeadChain {
   // the input alike (the same smoothing, the same block kind), `both` holds their blocks side by
   // side (lin's outputs, then res's) and runs them as one product: each output computed alone, the
   // same bits as two calls.
+  // A widened first ResBlock on parts (`gguf.PartedLinear`): `parts[j]` holds part j of both
+  // linears side by side (no bias), over inputs [j hidden, (j + 1) hidden) of [h ; E(t_0) ; ...];
+  // their outputs are summed in order, then `part_bias` (lin's, then res's).
   struct Block {
     Linear lin, res, both;
     bool fused = false;
+    std::vector<Linear> parts;
+    at::Tensor part_bias;
   };
 
   std::vector<std::vector<Block>> heads;
@@ -33,7 +40,8 @@ struct HeadChain {
   int64_t hidden, isa;
 
   // heads[i]: head i's ResBlocks, each 10 tensors (its linear's qs, d, m, 1/smooth, bias, then its
-  // residual's, empty tensors where absent); lm_heads[i]: head i's LM head (qs, d, m, 1/smooth, bias).
+  // residual's, empty tensors where absent), or 10 a part for a parted block (the biases with part
+  // 0, empty after); lm_heads[i]: head i's LM head (qs, d, m, 1/smooth, bias).
   HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, std::vector<std::vector<at::Tensor>> lm_heads, at::Tensor embed,
             at::Tensor draft_vocab, int64_t hidden, int64_t lm_rows, int64_t isa);
 
@@ -58,7 +66,23 @@ struct HeadChain {
                                            double settle = 0.0, bool strict = false, int64_t settled_depth = -1,
                                            int64_t unsettled_depth = -1) const;
 
+  // The token parts kept so far: (entries, hits, misses); `clear_kept` forgets them.
+  std::tuple<int64_t, int64_t, int64_t> kept() const;
+  void clear_kept() const;
+
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);
   at::Tensor hidden_of(int64_t i, at::Tensor x) const;
+  // head i on the feature and the path: its first ResBlock's parts (the token parts kept), then the rest
+  at::Tensor parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const;
+  // part j (>= 1) of head i's first block on E(token): 2 hidden outputs, computed once a token
+  const float* token_part(int64_t i, int64_t j, int64_t token) const;
+
+  // Each token part as computed: a function of (head, part, token) alone, so keeping it changes
+  // no bit. Bounded: past kKeptBytes all are forgotten at once. Two decodes (the app's race) share
+  // the heads, so the map is locked.
+  static constexpr int64_t kKeptBytes = int64_t(256) << 20;
+  mutable std::mutex kept_lock;
+  mutable std::unordered_map<uint64_t, std::vector<float>> kept_parts;
+  mutable int64_t kept_hits = 0, kept_misses = 0;
 };

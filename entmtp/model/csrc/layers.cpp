@@ -621,7 +621,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "`chain` with a native phrasebook forcer: no call back into Python at a node",
           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("forcer"), pybind11::arg("p0") = -1.0,
           pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false, pybind11::arg("settled_depth") = -1,
-          pybind11::arg("unsettled_depth") = -1);
+          pybind11::arg("unsettled_depth") = -1)
+      .def("kept", &HeadChain::kept, "the token parts kept: (entries, hits, misses)")
+      .def("clear_kept", &HeadChain::clear_kept, "forget the token parts kept");
   pybind11::class_<PhraseBook, std::shared_ptr<PhraseBook>>(mod, "PhraseBook")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t>());
   pybind11::class_<PhraseForcer>(mod, "PhraseForcer")

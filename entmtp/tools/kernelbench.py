@@ -218,9 +218,11 @@ def isa_table(result: dict) -> str:
 
 
 def chain_bytes(heads) -> tuple[list[int], int]:
-    """Per head, the bytes its ResBlocks stream (values, scales, minimums, biases), and the LM
-    head's (read again at every depth)."""
-    per_head = [sum(_bytes_read(lin) for b in heads.head_blocks(i) for lin in (b.linear, b.res_connection)
+    """Per head, the bytes its ResBlocks stream in the chain (values, scales, minimums, biases; of a
+    parted linear, `gguf.PartedLinear`, the part on h and each token part's kept outputs), and the
+    LM head's (read again at every depth)."""
+    read = lambda lin: lin.chain_nbytes() if hasattr(lin, "chain_nbytes") else _bytes_read(lin)
+    per_head = [sum(read(lin) for b in heads.head_blocks(i) for lin in (b.linear, b.res_connection)
                     if not isinstance(lin, nn.Identity)) for i in range(heads.num_heads)]
     return per_head, _bytes_read(heads._lm_packed[heads._lm_key(0)]) if heads._lm_packed else 0
 

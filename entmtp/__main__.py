@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=g.seed)
     gen.add_argument("--typical", action="store_true", help="Hydra/Medusa typical acceptance (LOSSY, temperature > 0 only)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    gen.add_argument("--batch", type=positive_int, default=None, metavar="N",
+                     help="with --method ar: decode N prompts at once on the served kernels, a finished one replaced by the "
+                          "next (each answer token-identical to decoding it alone; answers printed in prompt order)")
     b = BankBuildConfig()
     gen.add_argument("--build-prompts", type=positive_int, default=b.calib_prompts,
                      help="where the model has no bank for the task and one is built here first: its calibration prompts "
@@ -307,7 +310,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
         items = [{"prompt": args.prompt, "task": args.task or "chat"}]
+    if args.batch is not None:
+        if args.method != "ar" or args.temperature != 0:
+            raise UsageError("--batch decodes greedily without heads: it takes --method ar at temperature 0")
+        from entmtp.model.batch import MAX_BATCH
+
+        if args.batch > MAX_BATCH:
+            raise UsageError(f"--batch takes at most {MAX_BATCH} prompts at once, got {args.batch}")
     rt = _runtime(args)
+    if args.batch is not None:
+        return _generate_batched(rt, items, args)
     rt.build_config = replace(rt.build_config, calib_prompts=args.build_prompts, calib_new_tokens=args.build_tokens)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, typical=args.typical
@@ -336,6 +348,47 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 f"{res.tokens_per_s:.1f} tok/s, {res.mean_accepted:.2f} tokens/step",
                 file=sys.stderr,
             )
+
+
+def _generate_batched(rt, items: list[dict], args: argparse.Namespace) -> None:
+    """`generate --batch N`: the prompts' greedy answers, N at a time (`model.batch`), printed in
+    prompt order as `generate` prints them; a progress bar on stderr counts tokens a second."""
+    import time
+
+    from tqdm import tqdm
+
+    from entmtp.model import batch
+
+    if not batch.available(rt.model):
+        raise UsageError(f"--batch needs the fused layer stack, which {rt.name} does not run on here ({rt.arithmetic})")
+    ids = [rt.encode(it["prompt"]) for it in items]
+    for i, p in enumerate(ids):
+        if not p:
+            raise UsageError(f"prompt {i + 1} is empty")
+        if len(p) >= rt.engine.max_positions:
+            raise UsageError(f"prompt {i + 1} has {len(p)} tokens; the model's context is {rt.engine.max_positions}")
+    dec = batch.BatchDecoder(rt.model, rt.engine.eos, batch=args.batch)
+    bar = tqdm(total=len(ids) * args.max_new_tokens, desc=f"generate --batch {args.batch}", unit="tok", file=sys.stderr)
+    started, done, printed = time.perf_counter(), {}, 0
+    for ans in dec.run(ids, args.max_new_tokens, on_token=bar.update):
+        bar.total -= args.max_new_tokens - len(ans.tokens)  # an early EOS: fewer tokens to come
+        done[ans.index] = ans
+        while printed in done:
+            a, it = done.pop(printed), items[printed]
+            elapsed = a.elapsed_s  # from its prefill to its last token, beside the others in the batch
+            text = rt.decode(a.tokens)
+            if args.json:
+                print(json.dumps({"prompt": it["prompt"], "method": "ar", "task": it["task"], "text": text, "token_ids": a.tokens,
+                                  "new_tokens": len(a.tokens), "steps": len(a.tokens), "mean_accepted": 1.0,
+                                  "tokens_per_s": round(len(a.tokens) / elapsed, 3) if elapsed > 0 else 0.0,
+                                  "elapsed_s": round(elapsed, 4), "phase_ms": {}, "stop_reason": a.stop_reason, "trace": [],
+                                  "batch": args.batch}, ensure_ascii=False), flush=True)
+            else:
+                print(text, flush=True)
+            printed += 1
+    bar.close()
+    total = time.perf_counter() - started
+    print(f"[ar --batch {args.batch}] {len(ids)} prompts, {bar.n} tokens in {total:.1f} s, {bar.n / total:.1f} tok/s", file=sys.stderr)
 
 
 def _work_dir(args: argparse.Namespace) -> Path:

@@ -441,6 +441,81 @@ struct Stack {
     }
     return x;
   }
+
+  // One new token for each of B independent sequences (batched decoding, `model/batch.py`): x [B, H]
+  // (row b embedded at position pasts[b]), cos/sin [B, D], and each sequence's own layer buffers,
+  // keys[b * layers + l] and values[b * layers + l], each [1, kv_heads, capacity, D] holding pasts[b]
+  // entries. Writes row b's key and value at pasts[b], returns the last layer's output [B, H]. The
+  // projections take all rows at once (each output of each row computed alone, so a row's bits do
+  // not depend on the others); each row attends its own sequence alone, causally, as `forward` with
+  // Q = 1 attends it: row b's result is, bit for bit, that sequence's one-token step.
+  at::Tensor forward_rows(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                          std::vector<int64_t> pasts) {
+    const int64_t layers = static_cast<int64_t>(w.size() / 14), B = x.size(0), D = dim;
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "Stack: x must be float32 [B, H]");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D, "Stack: cos/sin must be [B, D]");
+    TORCH_CHECK(static_cast<int64_t>(pasts.size()) == B, "Stack: one past a row");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == B * layers && static_cast<int64_t>(values.size()) == B * layers,
+                "Stack: one cache per row and layer");
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t qw = heads * D, kw = kv_heads * D, H = x.size(1);
+    TORCH_CHECK(H % 8 == 0, "Stack: the hidden size must be a multiple of 8");
+    const Visibility causal;  // Q = 1 over the row's own entries: it sees them all
+    x = x.clone();
+    auto h = at::empty({B, H}, x.options());
+    auto qr = at::empty({B, heads, D}, x.options());
+    auto att = at::empty({B, heads * D}, x.options());
+    float* xp = x.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    auto norm = [&](const at::Tensor& wt) { rms_rows(xp, wt.data_ptr<float>(), B, H, static_cast<float>(eps), hp); };
+    auto add = [&](const at::Tensor& y) {
+      const float* yp = y.data_ptr<float>();
+      for (int64_t k = 0; k < B * H; k += 8) _mm256_storeu_ps(xp + k, _mm256_add_ps(_mm256_loadu_ps(xp + k), _mm256_loadu_ps(yp + k)));
+    };
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < layers; ++l) {
+        const auto& kb = keys[b * layers + l];
+        const auto& vb = values[b * layers + l];
+        TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.size(1) == kv_heads && kb.size(2) > pasts[b] && kb.size(3) == D &&
+                        vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
+      }
+    for (int64_t l = 0; l < layers; ++l) {
+      const at::Tensor* t = w.data() + 14 * l;
+      norm(t[0]);
+      auto qkv = linear(h, t + 1, qw + 2 * kw);
+      const float* src = qkv.data_ptr<float>();
+      const int64_t row = qw + 2 * kw;
+      float* qp = qr.data_ptr<float>();
+      float* ap = att.data_ptr<float>();
+      // rows in parallel: a row's rotary, its cache entry and its attention, each computed alone
+      // (the attention's own split runs inline within a parallel region: the same order as alone)
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          auto& kb = keys[b * layers + l];
+          auto& vb = values[b * layers + l];
+          const int64_t cap = kb.size(2), past = pasts[b];
+          const float* r = src + b * row;
+          float* kp = kb.data_ptr<float>();
+          float* vp = vb.data_ptr<float>();
+          for (int64_t hh = 0; hh < heads; ++hh) rope_row(r + hh * D, cp + b * D, sp + b * D, D, qp + (b * heads + hh) * D);
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            rope_row(r + qw + g * D, cp + b * D, sp + b * D, D, kp + (g * cap + past) * D);
+            std::copy(r + qw + kw + g * D, r + qw + kw + (g + 1) * D, vp + (g * cap + past) * D);
+          }
+          attend({qp + b * heads * D, 0, D, D}, {kp, 0, cap * D, D}, {vp, 0, cap * D, D}, 1, heads, kv_heads, 1, past + 1, D,
+                 static_cast<float>(scale), causal, ap + b * heads * D);
+        }
+      });
+      add(linear(att, t + 4, H));
+      norm(t[7]);
+      auto gu = linear(h, t + 8, 2 * t[11].size(1) * 32);
+      const int64_t I = gu.size(1) / 2;
+      auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+      add(linear(a, t + 11, H));
+    }
+    return x;
+  }
 };
 
 // The accepted tree entries kept in place (`kv.commit`): in every buffer [B, H, capacity, D]
@@ -600,6 +675,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<Stack>(mod, "Stack")
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
       .def("forward", &Stack::forward)
+      .def("forward_rows", &Stack::forward_rows, "one new token for each of B sequences, each with its own cache")
       .def_readwrite("isa", &Stack::isa);
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,

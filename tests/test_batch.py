@@ -1,0 +1,95 @@
+"""Batched greedy decoding on the served kernels (`model/batch.py`): every answer token-identical
+to the engine's `ar` decode of its prompt alone (which `test_real_model` holds equal to the served
+model's `generate`), at batch sizes 1, 7 and 32, over prompts of mixed lengths, with sequences that
+end early on EOS and are replaced mid-run."""
+
+import pytest
+import torch
+
+from entmtp.config import GenerationConfig, ModelConfig
+from entmtp.data import prompts as data
+from entmtp.model import batch
+from entmtp.runtime.runtime import load_runtime
+from entmtp.spec.engine import Engine, Strategy, collect
+from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.topology import compile_tree
+from conftest import ALL_THREADS
+
+pytestmark = pytest.mark.slow
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def rt():
+    torch.set_num_threads(ALL_THREADS)
+    runtime = load_runtime(ModelConfig())
+    if not batch.available(runtime.model):
+        pytest.skip("the served model is not on the fused stack here (the extension did not build)")
+    yield runtime
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def prompts(rt):
+    """40 chat-formatted calibration prompts of every task: lengths from a few dozen tokens to hundreds."""
+    texts = [p for task in ("code", "math", "chat") for p in data.prompts(task, "calib")[:14]][:40]
+    return [rt.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def alone(rt, prompts):
+    """Each prompt's greedy answer from the engine's `ar` decode, alone, no EOS: (tokens, hidden states)."""
+    engine = Engine(rt.model, ())
+    ar = Strategy("ar", (compile_tree([], "ar"),), StaticPolicy(0))
+    return [collect(engine.generate(ids, ar, GenerationConfig(max_new_tokens=N_NEW))).token_ids for ids in prompts]
+
+
+def truncated(tokens, eos):
+    for j, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: j + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("size", [1, 7, 32])
+def test_batched_answers_are_the_answers_alone(rt, prompts, alone, size):
+    # an EOS set that ends some answers early (a token that one answer makes at its 5th step and
+    # others at various places), so that slots free up and later prompts join mid-run
+    eos = {alone[0][4], alone[5][9]}
+    want = [truncated(a, eos) for a in alone]
+    assert any(len(w) < N_NEW for w in want) and any(len(w) == N_NEW for w in want)
+    n = len(prompts) if size > 1 else 6
+    got, decoded = {}, []
+    dec = batch.BatchDecoder(rt.model, eos, batch=size, keep_hidden=True)
+    for ans in dec.run(prompts[:n], N_NEW, on_token=decoded.append):
+        assert ans.index not in got
+        got[ans.index] = ans
+        assert ans.hidden.shape == (len(ans.tokens), rt.model.config.hidden_size)
+        assert ans.stop_reason == ("eos" if ans.tokens[-1] in eos else "length")
+    assert sorted(got) == list(range(n))
+    for i in range(n):
+        assert got[i].tokens == want[i], f"prompt {i} (of {len(prompts[i])} tokens) at batch {size}"
+    assert sum(decoded) == sum(len(got[i].tokens) for i in range(n))
+
+
+def test_hidden_states_are_the_engine_s(rt, prompts):
+    """The kept hidden state before each token is the engine's own (what the heads train on)."""
+    from entmtp.model import forward
+
+    ids = prompts[3]
+    dec = batch.BatchDecoder(rt.model, (), batch=4, keep_hidden=True)
+    ans = {a.index: a for a in dec.run(prompts[:4], 6)}[3]
+    cache = rt.engine.new_cache()
+    with torch.inference_mode():  # the prompt's, then one token at a time, as decoding makes them
+        h, _ = forward.forward(rt.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None], None)
+        assert torch.equal(ans.hidden[0], h[-1])
+        for j in range(5):
+            hj, _ = forward.forward(rt.model, cache, torch.tensor([[ans.tokens[j]]]), torch.tensor([[len(ids) + j]]), None)
+            assert torch.equal(ans.hidden[j + 1], hj[-1])
+
+
+def test_bad_requests_are_refused(rt):
+    with pytest.raises(ValueError, match="batch must be"):
+        batch.BatchDecoder(rt.model, (), batch=0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        list(batch.BatchDecoder(rt.model, (), batch=2).run([[1, 2], []], 4))

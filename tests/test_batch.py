@@ -93,3 +93,17 @@ def test_bad_requests_are_refused(rt):
         batch.BatchDecoder(rt.model, (), batch=0)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         list(batch.BatchDecoder(rt.model, (), batch=2).run([[1, 2], []], 4))
+
+
+def test_train_heads_answers_through_the_batched_decoder(rt, prompts, alone):
+    """`train.generate_batch` on the fused model decodes through `BatchDecoder`: the answers decoding
+    alone gives, and the hidden states transformers' padded batch computes (to float32 rounding)."""
+    from entmtp.tools import train
+
+    ids = prompts[:6]
+    eos = {alone[0][4]}
+    got = train.generate_batch(rt.model, ids, N_NEW, eos, 0)
+    ref = train.padded_batch(rt.model, ids, N_NEW, eos, 0)
+    for i, ((h, t), (rh, rt_)) in enumerate(zip(got, ref)):
+        assert t.tolist() == truncated(alone[i], eos) == rt_.tolist()
+        assert h.shape == rh.shape and torch.allclose(h, rh, atol=1e-3, rtol=1e-3)

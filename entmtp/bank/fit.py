@@ -210,8 +210,9 @@ def _fit_tau(front: list[int], grid: list[float], feature: str, static: StaticPo
     """Every pair small < large of front trees, τ_off <= τ_on on the grid; the static tree unless one
     beats it by TAU_MIN_GAIN (a smaller predicted gain is within the resolution of the measured step
     costs: on the AMD EPYC such a τ measured 6–10% below its static tree). `score(candidates)`: their
-    predicted tok/s; the first of equals wins."""
-    best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, feature, depth), static_tps
+    predicted tok/s; the first of equals wins. The static tree as a τ reads no head (p0), as a refit
+    writes it (`refit.Usage.fit`)."""
+    best_pol, best = TauPolicy(static.tree, static.tree, 1.0, 1.0, "p0", 0), static_tps
     bar = static_tps * (1 + TAU_MIN_GAIN)
     cands = [TauPolicy(small, large, on, off, feature, depth)
              for a, small in enumerate(front) for large in front[a + 1 :] for on in grid for off in grid if off <= on]

@@ -399,13 +399,6 @@ struct Stack {
     auto h = at::empty({Q, H}, x.options());
     auto qr = at::empty({heads, Q, D}, x.options());
     auto att = at::empty({Q, heads * D}, x.options());
-    float* xp = x.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    auto norm = [&](const at::Tensor& wt) { rms_rows(xp, wt.data_ptr<float>(), Q, H, static_cast<float>(eps), hp); };
-    auto add = [&](const at::Tensor& y) {  // x += y, as x.add(y) rounds it
-      const float* yp = y.data_ptr<float>();
-      for (int64_t k = 0; k < Q * H; k += 8) _mm256_storeu_ps(xp + k, _mm256_add_ps(_mm256_loadu_ps(xp + k), _mm256_loadu_ps(yp + k)));
-    };
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* t = w.data() + 14 * l;
       auto& kb = keys[l];
@@ -413,7 +406,7 @@ struct Stack {
       TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.size(1) == kv_heads && kb.size(2) >= L && kb.size(3) == D &&
                       vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
       const int64_t cap = kb.size(2);
-      norm(t[0]);
+      norm_into(t[0], x, h);
       auto qkv = linear(h, t + 1, qw + 2 * kw);
       {
         const float* src = qkv.data_ptr<float>();
@@ -432,12 +425,7 @@ struct Stack {
       }
       attend({qr.data_ptr<float>(), 0, Q * D, D}, {kb.data_ptr<float>(), 0, cap * D, D}, {vb.data_ptr<float>(), 0, cap * D, D}, 1,
              heads, kv_heads, Q, L, D, static_cast<float>(scale), vis, att.data_ptr<float>());
-      add(linear(att, t + 4, H));
-      norm(t[7]);
-      auto gu = linear(h, t + 8, 2 * t[11].size(1) * 32);
-      const int64_t I = gu.size(1) / 2;
-      auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-      add(linear(a, t + 11, H));
+      finish_layer(t, att, x, h);
     }
     return x;
   }
@@ -466,13 +454,6 @@ struct Stack {
     auto h = at::empty({B, H}, x.options());
     auto qr = at::empty({B, heads, D}, x.options());
     auto att = at::empty({B, heads * D}, x.options());
-    float* xp = x.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    auto norm = [&](const at::Tensor& wt) { rms_rows(xp, wt.data_ptr<float>(), B, H, static_cast<float>(eps), hp); };
-    auto add = [&](const at::Tensor& y) {
-      const float* yp = y.data_ptr<float>();
-      for (int64_t k = 0; k < B * H; k += 8) _mm256_storeu_ps(xp + k, _mm256_add_ps(_mm256_loadu_ps(xp + k), _mm256_loadu_ps(yp + k)));
-    };
     for (int64_t b = 0; b < B; ++b)
       for (int64_t l = 0; l < layers; ++l) {
         const auto& kb = keys[b * layers + l];
@@ -482,7 +463,7 @@ struct Stack {
       }
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* t = w.data() + 14 * l;
-      norm(t[0]);
+      norm_into(t[0], x, h);
       auto qkv = linear(h, t + 1, qw + 2 * kw);
       const float* src = qkv.data_ptr<float>();
       const int64_t row = qw + 2 * kw;
@@ -507,14 +488,34 @@ struct Stack {
                  static_cast<float>(scale), causal, ap + b * heads * D);
         }
       });
-      add(linear(att, t + 4, H));
-      norm(t[7]);
-      auto gu = linear(h, t + 8, 2 * t[11].size(1) * 32);
-      const int64_t I = gu.size(1) / 2;
-      auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-      add(linear(a, t + 11, H));
+      finish_layer(t, att, x, h);
     }
     return x;
+  }
+
+ private:
+  // x += y, as x.add(y) rounds it (8 lanes at a time; a row is a multiple of 8)
+  static void add_into(at::Tensor& x, const at::Tensor& y) {
+    float* xp = x.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t k = 0, n = x.numel(); k < n; k += 8) _mm256_storeu_ps(xp + k, _mm256_add_ps(_mm256_loadu_ps(xp + k), _mm256_loadu_ps(yp + k)));
+  }
+
+  // h = the rows of x normed by weight `wt`
+  void norm_into(const at::Tensor& wt, const at::Tensor& x, at::Tensor& h) const {
+    rms_rows(x.data_ptr<float>(), wt.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps), h.data_ptr<float>());
+  }
+
+  // A layer after its attention `att` [rows, heads * D]: x += o(att), then x += down(silu(gate) * up)
+  // of x normed (`h` the buffer for the norm), in place, each element rounded once as ATen rounds it.
+  void finish_layer(const at::Tensor* t, const at::Tensor& att, at::Tensor& x, at::Tensor& h) const {
+    const int64_t H = x.size(1);
+    add_into(x, linear(att, t + 4, H));
+    norm_into(t[7], x, h);
+    auto gu = linear(h, t + 8, 2 * t[11].size(1) * 32);
+    const int64_t I = gu.size(1) / 2;
+    auto a = silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+    add_into(x, linear(a, t + 11, H));
   }
 };
 

@@ -29,25 +29,17 @@ sys.path.insert(0, str(ROOT))
 from entmtp.bank import calibrate  # noqa: E402
 from entmtp.data import prompts as data  # noqa: E402
 from entmtp.machine import hardware  # noqa: E402
-from entmtp.model import forward  # noqa: E402
+from entmtp.model.batch import MAX_BATCH, BatchDecoder  # noqa: E402
 from entmtp.runtime.runtime import default_heads_dir, load_runtime, served_heads  # noqa: E402
 from entmtp.spec.headfiles import load_heads  # noqa: E402
 from entmtp.spec.phrasebook import forcer  # noqa: E402
 from entmtp.tools.kernelbench import chain_bytes  # noqa: E402
 
 
-@torch.inference_mode()
-def decode_states(rt, ids: list[int], n: int) -> list[tuple[torch.Tensor, int]]:
-    """(final hidden state, next token) at each of n greedy steps from the prompt `ids`."""
-    cache = rt.engine.new_cache()
-    hidden, logits = forward.forward(rt.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None], None, last_only=True)
-    out, past = [], len(ids)
-    for _ in range(n):
-        token = int(logits[-1].argmax())
-        out.append((hidden[-1].clone(), token))
-        hidden, logits = forward.forward(rt.model, cache, torch.tensor([[token]]), torch.tensor([[past]]), None)
-        past += 1
-    return out
+def decode_states(rt, prompts: list[list[int]], n: int) -> list[tuple[torch.Tensor, int]]:
+    """(final hidden state, the next token it gives) at each of n greedy steps from each prompt."""
+    answers = BatchDecoder(rt.model, (), batch=min(len(prompts), MAX_BATCH), keep_hidden=True).run(prompts, n)
+    return [(h, t) for a in sorted(answers, key=lambda a: a.index) for h, t in zip(a.hidden, a.tokens)]
 
 
 def main() -> None:
@@ -66,8 +58,8 @@ def main() -> None:
         heads.set_draft_vocab(shipped.draft_vocab)
         forms[name] = served_heads(rt.model, heads)
     forms["parted"]._chain.clear_kept()
-    states = [s for task in ("code", "math", "chat") for p in data.prompts(task, "calib")[: args.prompts]
-              for s in decode_states(rt, rt.encode(p), args.tokens)]
+    states = decode_states(rt, [rt.encode(p) for task in ("code", "math", "chat") for p in data.prompts(task, "calib")[: args.prompts]],
+                           args.tokens)
     bank = rt.bank("chat")
     book, rule = rt.book_for(bank)
     between = calibrate.forward_between(rt.engine, 192)

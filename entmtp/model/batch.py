@@ -130,7 +130,8 @@ class BatchDecoder:
         """Feed each slot its next token: one pass of the stack over all rows. -> hidden (B, H), logits (B, V)."""
         model = self.model
         ids = torch.tensor([nxt])  # (1, B)
-        pos = torch.tensor([[s.past for s in slots]])  # (1, B): each row at its own position
+        pasts = [s.past for s in slots]
+        pos = torch.tensor([pasts])  # (1, B): each row at its own position
         x = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(x, position_ids=pos)
         keys, values = [], []
@@ -139,7 +140,7 @@ class BatchDecoder:
                 k, v = layer.make_room(1, self.kv_heads, self.dim, x.dtype, x.device)
                 keys.append(k)
                 values.append(v)
-        out = self.stack.forward_rows(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), keys, values, [s.past for s in slots])
+        out = self.stack.forward_rows(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), keys, values, pasts)
         for s in slots:
             for layer in s.cache.layers:
                 layer.advance(1)

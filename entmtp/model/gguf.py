@@ -238,7 +238,6 @@ class BlockLinear(nn.Module):
                 f"{self.kind} blocks ({self.isa})")
 
 
-
 class PartedLinear(nn.Module):
     """A Hydra head's widened linear, whose input is [h ; E(t_0) ; ... ; E(t_i)]: one `BlockLinear`
     a part of `width` inputs (no bias), their outputs summed part by part in order (float32), then
@@ -270,17 +269,21 @@ class PartedLinear(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes one call through the modules streams (every part, the bias)."""
-        return sum(p.nbytes() for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
+        return sum(p.nbytes() for p in self.parts) + self._bias_bytes()
 
     def chain_nbytes(self) -> int:
         """Bytes the heads' chain streams a call: the first part's weights, the bias, and each
         token part's kept outputs (`out_features` float32 each) instead of its weights."""
         kept = (len(self.parts) - 1) * self.out_features * 4
-        return self.parts[0].nbytes() + kept + (0 if self.bias is None else self.bias.numel() * 4)
+        return self.parts[0].nbytes() + kept + self._bias_bytes()
+
+    def _bias_bytes(self) -> int:
+        return 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, parts of {self.width}, "
                 f"bias={self.bias is not None}, {self.kind} blocks ({self.isa})")
+
 
 def _split_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GGUF rows of blocks -> (values, scale d, minimum m) in the file's layout, the scales fp16 as

@@ -35,6 +35,9 @@ bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 // written as loops here (one IEEE operation an element, as ATen's mul and add round them: the
 // same bits) instead of an ATen call each, whose dispatch and allocation cost more than the
 // arithmetic at 576 elements.
+// Two tensors stacked along the first dimension (empty where the first is).
+static at::Tensor cat2(const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; }
+
 static bool one_row(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == 1; }
 
 at::Tensor HeadChain::Linear::operator()(const at::Tensor& x, int64_t isa) const {
@@ -70,6 +73,20 @@ static at::Tensor add_rows(const at::Tensor& r, const at::Tensor& s) {
   return o;
 }
 
+// Whether a ResBlock's linear and residual linear read their input alike (the same smoothing, the
+// same block kind, a bias on both or neither) in whole groups of 16 outputs, so that their packed
+// blocks stack along the first dimension.
+static bool alike(const HeadChain::Linear& l, const HeadChain::Linear& r, int64_t hidden) {
+  return present(r.qs) && present(l.m) == present(r.m) && present(l.bias) == present(r.bias) &&
+         present(l.inv_smooth) == present(r.inv_smooth) && (!present(l.inv_smooth) || at::equal(l.inv_smooth, r.inv_smooth)) &&
+         l.qs.size(0) * 16 == hidden;
+}
+
+// `l` and `r` (alike) as one linear: l's outputs, then r's; the bias as given.
+static HeadChain::Linear side_by_side(const HeadChain::Linear& l, const HeadChain::Linear& r, at::Tensor bias, int64_t hidden) {
+  return {cat2(l.qs, r.qs), cat2(l.d, r.d), cat2(l.m, r.m), l.inv_smooth, std::move(bias), 2 * hidden};
+}
+
 HeadChain::Linear HeadChain::linear_of(const std::vector<at::Tensor>& t, int64_t at_, int64_t out) {
   TORCH_CHECK(static_cast<int64_t>(t.size()) >= at_ + 5, "HeadChain: a linear is (qs, d, m, 1/smooth, bias)");
   return {t[at_], t[at_ + 1], t[at_ + 2], t[at_ + 3], t[at_ + 4], out};
@@ -94,13 +111,10 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
         Block block;
         for (size_t j = 0; j < b.size(); j += 10) {
           const auto l = linear_of(b, j, hidden), r = linear_of(b, j + 5, hidden);
-          TORCH_CHECK(present(r.qs) && present(l.m) == present(r.m) && present(l.inv_smooth) == present(r.inv_smooth) &&
-                          (!present(l.inv_smooth) || at::equal(l.inv_smooth, r.inv_smooth)) && l.qs.size(0) * 16 == hidden &&
-                          (j == 0 || (!present(l.bias) && !present(r.bias))) && present(l.bias) == present(r.bias),
+          TORCH_CHECK(alike(l, r, hidden) && (j == 0 || !present(l.bias)),
                       "HeadChain: a part's two linears read their input alike, the biases with part 0");
-          auto cat2 = [](const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; };
-          block.parts.push_back({cat2(l.qs, r.qs), cat2(l.d, r.d), cat2(l.m, r.m), l.inv_smooth, at::Tensor(), 2 * hidden});
-          if (j == 0 && present(l.bias)) block.part_bias = cat2(l.bias, r.bias);
+          block.parts.push_back(side_by_side(l, r, at::Tensor(), hidden));
+          if (j == 0) block.part_bias = cat2(l.bias, r.bias);
         }
         blocks.push_back(std::move(block));
         continue;
@@ -108,11 +122,8 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
       Block block{linear_of(b, 0, hidden), linear_of(b, 5, hidden), {}, false};
       const auto& l = block.lin;
       const auto& r = block.res;
-      if (present(r.qs) && present(l.m) == present(r.m) && present(l.bias) == present(r.bias) &&
-          present(l.inv_smooth) == present(r.inv_smooth) && (!present(l.inv_smooth) || at::equal(l.inv_smooth, r.inv_smooth)) &&
-          l.qs.size(0) * 16 == hidden) {  // whole groups of 16 outputs: the packed blocks stack along the first dimension
-        auto cat2 = [](const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; };
-        block.both = {cat2(l.qs, r.qs), cat2(l.d, r.d), cat2(l.m, r.m), l.inv_smooth, cat2(l.bias, r.bias), 2 * hidden};
+      if (alike(l, r, hidden)) {
+        block.both = side_by_side(l, r, cat2(l.bias, r.bias), hidden);
         block.fused = true;
       }
       blocks.push_back(std::move(block));
@@ -123,12 +134,16 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
   }
 }
 
-at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x) const {
-  for (const auto& b : heads[i]) {
+at::Tensor HeadChain::res_silu(const at::Tensor& y) const {
+  return add_rows(y.narrow(1, hidden, hidden), at::silu(y.narrow(1, 0, hidden)));
+}
+
+at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
+  for (size_t k = from; k < heads[i].size(); ++k) {
+    const auto& b = heads[i][k];
     // ResBlock.forward: res_connection(x) + silu(linear(x)), the residual the identity where absent
     if (b.fused) {
-      const auto y = b.both(x, isa);  // (1, 2 hidden): linear's outputs, then the residual's
-      x = add_rows(y.narrow(1, hidden, hidden), at::silu(y.narrow(1, 0, hidden)));
+      x = res_silu(b.both(x, isa));  // (1, 2 hidden): linear's outputs, then the residual's
       continue;
     }
     auto r = present(b.res.qs) ? b.res(x, isa) : x;
@@ -171,7 +186,7 @@ void HeadChain::clear_kept() const {
 
 at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const {
   // PartedLinear.forward for the linear and its residual side by side: part 0 on h, + each token's
-  // part in order (float32 sums, as `y = y + part` rounds them), + the biases; then ResBlock's
+  // part in order (float32 sums, as `y = y + part` rounds them), + the biases; then the block's
   // res + silu(lin) and the head's further blocks
   const Block& b = heads[i][0];
   auto y = b.parts[0](f, isa).contiguous();  // (1, 2 hidden)
@@ -185,13 +200,7 @@ at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std
     const float* bp = b.part_bias.data_ptr<float>();
     for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + bp[k];
   }
-  at::Tensor x = add_rows(y.narrow(1, hidden, hidden).contiguous(), at::silu(y.narrow(1, 0, hidden)));
-  for (size_t k = 1; k < heads[i].size(); ++k) {
-    const auto& c = heads[i][k];
-    auto r = present(c.res.qs) ? c.res(x, isa) : x;
-    x = add_rows(r, at::silu(c.lin(x, isa)));
-  }
-  return x;
+  return hidden_of(i, res_silu(y), 1);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
@@ -211,19 +220,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
   bool open = reading;  // the value still read: not settled, the feature's depth not reached
   int64_t target = depth;
   for (int64_t d = first; d < target; ++d) {
-    at::Tensor x = f;
+    at::Tensor h;
     if (grounded && !heads[d][0].parts.empty()) {  // the first block on parts: the token parts kept
-      x = parted_hidden_of(d, f, path);
-    } else if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
-      x = at::empty({1, (d + 2) * hidden}, feature.options());
-      float* xp = x.data_ptr<float>();
-      std::memcpy(xp, f.data_ptr<float>(), hidden * sizeof(float));
-      for (int64_t j = 0; j <= d; ++j) {
-        TORCH_CHECK(path[j] >= 0 && path[j] < embed.size(0), "HeadChain: token ", path[j], " is outside the embedding");
-        std::memcpy(xp + (j + 1) * hidden, embed.data_ptr<float>() + path[j] * hidden, hidden * sizeof(float));
+      h = parted_hidden_of(d, f, path);
+    } else {
+      at::Tensor x = f;
+      if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
+        x = at::empty({1, (d + 2) * hidden}, feature.options());
+        float* xp = x.data_ptr<float>();
+        std::memcpy(xp, f.data_ptr<float>(), hidden * sizeof(float));
+        for (int64_t j = 0; j <= d; ++j) {
+          TORCH_CHECK(path[j] >= 0 && path[j] < embed.size(0), "HeadChain: token ", path[j], " is outside the embedding");
+          std::memcpy(xp + (j + 1) * hidden, embed.data_ptr<float>() + path[j] * hidden, hidden * sizeof(float));
+        }
       }
+      h = hidden_of(d, x);
     }
-    auto z = lm[d](grounded && !heads[d][0].parts.empty() ? x : hidden_of(d, x), isa);  // (1, K)
+    auto z = lm[d](h, isa);  // (1, K)
     // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
     const auto p = at::softmax(z, -1).contiguous();
     int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());

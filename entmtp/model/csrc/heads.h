@@ -72,7 +72,10 @@ struct HeadChain {
 
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);
-  at::Tensor hidden_of(int64_t i, at::Tensor x) const;
+  // head i's ResBlocks from block `from` on, on x
+  at::Tensor hidden_of(int64_t i, at::Tensor x, size_t from = 0) const;
+  // a ResBlock's end from its linear's and residual's outputs side by side (1, 2 hidden): res + silu(lin)
+  at::Tensor res_silu(const at::Tensor& y) const;
   // head i on the feature and the path: its first ResBlock's parts (the token parts kept), then the rest
   at::Tensor parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const;
   // part j (>= 1) of head i's first block on E(token): 2 hidden outputs, computed once a token

@@ -98,8 +98,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: se
 
     On the engine's fused stack (the default model), `model.batch.BatchDecoder`: each prompt
     decoded as the engine decodes it alone, bit for bit, a finished answer's slot taken by the next
-    prompt (2.1x transformers' padded batch for the float32 teacher on the 2-core Intel Xeon,
-    benchmarks/batch); elsewhere transformers' forward over the left-padded batch."""
+    prompt (its throughput against the padded batch, and the machine it was measured on:
+    docs/heads.md, *Answers in batches*); elsewhere transformers' forward over the left-padded batch."""
     from entmtp.model import batch
 
     if batch.available(model) and 0 < len(prompts) <= batch.MAX_BATCH:

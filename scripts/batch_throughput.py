@@ -1,14 +1,15 @@
-"""Answer throughput: `train-heads`' batched generation (`train.generate_batch`: transformers' forward
-over a left-padded batch) against the engine's batched decoding (`model.batch.BatchDecoder`, what
-`generate --batch N` runs), on the same training prompts, in one run on this machine.
+"""Answer throughput: `train-heads`' generation before batched decoding (`train.padded_batch`:
+transformers' forward over a left-padded batch, on the float32 teacher train-heads loads) against
+`generate --batch N` (`model.batch.BatchDecoder` on the served kernels), on the same training
+prompts, in one run on this machine, ABBA (old, new, new, old) so that the machine's drift falls on
+both.
 
 Prompts: the chat task's training split (ShareGPT openings; never evaluation or calibration
 prompts), taken in train-heads' order (length-sorted blocks); each side answers all of them with
 up to `--tokens` greedy tokens, stopping at EOS. Reports tokens a second of each, the ratio, and
-how many answers the two agree on (the batched decoder's are the served model's alone, bit for
-bit; transformers' padded batch need not be). Writes the JSON record to the path given.
+that each side's two rounds gave the same answers. Writes the JSON record to the path given.
 
-    PYTHONPATH=. python scripts/batch_throughput.py [--prompts 64] [--batch 32] [--tokens 128] [out.json]
+    PYTHONPATH=. python scripts/batch_throughput.py [--prompts 64] [--batch 32] [--tokens 160] [out.json]
 """
 
 from __future__ import annotations
@@ -37,33 +38,49 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--kernels", default="packed", help="the runtime's kernels (default: packed, train-heads' float32 teacher)")
+    ap.add_argument("--tokens", type=int, default=160, help="answer cap (train-heads' training answers: 160)")
+    ap.add_argument("--old-kernels", default="packed", help="the padded side's kernels (default: packed, train-heads' float32 teacher)")
+    ap.add_argument("--kernels", default=ModelConfig.kernels, help="the batched side's kernels (default: the served ones)")
     ap.add_argument("out", nargs="?", default=None)
     args = ap.parse_args()
 
-    rt = load_runtime(ModelConfig(kernels=args.kernels))
-    ids = [rt.encode(p) for p in data.prompts("chat", "train", args.prompts)]
+    old_rt, new_rt = load_runtime(ModelConfig(kernels=args.old_kernels)), load_runtime(ModelConfig(kernels=args.kernels))
+    ids = [new_rt.encode(p) for p in data.prompts("chat", "train", args.prompts)]
     ids = [p for p in ids if len(p) <= 512]
     ids.sort(key=len)  # train-heads answers length-sorted blocks: the least padding it can have
-    eos, pad = rt.engine.eos, rt.tokenizer.pad_token_id or 0
-    t0 = time.perf_counter()
-    old = []
-    for i in range(0, len(ids), args.batch):
-        old += [t.tolist() for _, t in train.generate_batch(rt.model, ids[i : i + args.batch], args.tokens, eos, pad)]
-    old_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    new = {a.index: a.tokens for a in BatchDecoder(rt.model, eos, batch=args.batch).run(ids, args.tokens)}
-    new_s = time.perf_counter() - t0
-    new = [new[i] for i in range(len(ids))]
-    old_tokens, new_tokens = sum(map(len, old)), sum(map(len, new))
-    record = {"probe": "answer throughput: train.generate_batch against model.batch.BatchDecoder", "date": datetime.date.today().isoformat(),
-              "hardware": hardware(), "served": rt.arithmetic, "prompts": len(ids), "prompt_tokens": [len(ids[0]), len(ids[-1])],
-              "batch": args.batch, "max_new_tokens": args.tokens, "threads": torch.get_num_threads(),
-              "generate_batch": {"seconds": round(old_s, 2), "tokens": old_tokens, "tokens_per_s": round(old_tokens / old_s, 1)},
-              "batch_decoder": {"seconds": round(new_s, 2), "tokens": new_tokens, "tokens_per_s": round(new_tokens / new_s, 1)},
-              "speedup": round((new_tokens / new_s) / (old_tokens / old_s), 2),
-              "answers_equal": sum(a == b for a, b in zip(old, new))}
+    eos, pad = new_rt.engine.eos, new_rt.tokenizer.pad_token_id or 0
+
+    def old() -> list[list[int]]:
+        out = []
+        for i in range(0, len(ids), args.batch):
+            out += [t.tolist() for _, t in train.padded_batch(old_rt.model, ids[i : i + args.batch], args.tokens, eos, pad)]
+        return out
+
+    def new() -> list[list[int]]:
+        got = {a.index: a.tokens for a in BatchDecoder(new_rt.model, eos, batch=args.batch).run(ids, args.tokens)}
+        return [got[i] for i in range(len(ids))]
+
+    rounds = {"padded_batch": [], "batch_decoder": []}
+    for name, side in (("padded_batch", old), ("batch_decoder", new), ("batch_decoder", new), ("padded_batch", old)):
+        t0 = time.perf_counter()
+        answers = side()
+        rounds[name].append((time.perf_counter() - t0, answers))
+        print(f"{name}: {sum(map(len, answers))} tokens in {rounds[name][-1][0]:.1f} s", file=sys.stderr)
+
+    def side_record(name: str, kernels: str) -> dict:
+        (s1, a1), (s2, a2) = rounds[name]
+        tokens = sum(map(len, a1)) + sum(map(len, a2))
+        return {"kernels": kernels, "seconds": [round(s1, 2), round(s2, 2)], "tokens": tokens,
+                "tokens_per_s": round(tokens / (s1 + s2), 1), "rounds_agree": a1 == a2}
+
+    old_r, new_r = side_record("padded_batch", args.old_kernels), side_record("batch_decoder", args.kernels)
+    record = {"probe": "answer throughput: train.padded_batch (train-heads before batched decoding) against "
+                       "model.batch.BatchDecoder (generate --batch), ABBA in one run",
+              "date": datetime.date.today().isoformat(), "hardware": hardware(), "served": new_rt.arithmetic,
+              "prompts": len(ids), "prompt_tokens": [len(ids[0]), len(ids[-1])], "batch": args.batch,
+              "max_new_tokens": args.tokens, "threads": torch.get_num_threads(),
+              "padded_batch": old_r, "batch_decoder": new_r,
+              "speedup": round(new_r["tokens_per_s"] / old_r["tokens_per_s"], 2)}
     print(json.dumps(record))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

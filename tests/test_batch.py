@@ -56,6 +56,8 @@ def test_batched_answers_are_the_answers_alone(rt, prompts, alone, size):
     # an EOS set that ends some answers early (a token that one answer makes at its 5th step and
     # others at various places), so that slots free up and later prompts join mid-run
     eos = {alone[0][4], alone[5][9]}
+    assert batch.common_opening(prompts) >= batch.MIN_SHARED  # the chat template's opening: prefilled once, copied
+    assert max(map(len, prompts)) + N_NEW > 256  # the pools grow mid-run
     want = [truncated(a, eos) for a in alone]
     assert any(len(w) < N_NEW for w in want) and any(len(w) == N_NEW for w in want)
     n = len(prompts) if size > 1 else 6
@@ -88,6 +90,13 @@ def test_hidden_states_are_the_engine_s(rt, prompts):
             assert torch.equal(ans.hidden[j + 1], hj[-1])
 
 
+def test_common_opening():
+    assert batch.common_opening([list(range(20)), list(range(12)) + [99]]) == 12
+    assert batch.common_opening([list(range(20)), list(range(20))]) == 19  # each prompt keeps a token of its own
+    assert batch.common_opening([list(range(20)), list(range(7)) + [99]]) == 0  # under MIN_SHARED
+    assert batch.common_opening([list(range(20))]) == 0
+
+
 def test_bad_requests_are_refused(rt):
     with pytest.raises(ValueError, match="batch must be"):
         batch.BatchDecoder(rt.model, (), batch=0)
@@ -107,3 +116,34 @@ def test_train_heads_answers_through_the_batched_decoder(rt, prompts, alone):
     for i, ((h, t), (rh, rt_)) in enumerate(zip(got, ref)):
         assert t.tolist() == truncated(alone[i], eos) == rt_.tolist()
         assert h.shape == rh.shape and torch.allclose(h, rh, atol=1e-3, rtol=1e-3)
+
+
+def test_a_conversation_s_turns_continue_their_parent_s_cache(rt, alone, prompts):
+    """Prompts given parents (a conversation's turns, each extending the one before) take their
+    parent's slot and prefill only their own tokens, and answer exactly as alone."""
+    from entmtp.runtime.runtime import chat_ids
+
+    engine = Engine(rt.model, ())
+    ar = Strategy("ar", (compile_tree([], "ar"),), StaticPolicy(0))
+    turns = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+              {"role": "user", "content": "And a fruit?"}],
+             [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+              {"role": "user", "content": "And a fruit?"}, {"role": "assistant", "content": "A pear."},
+              {"role": "user", "content": "Why?"}]]
+    convo = chat_ids(rt.tokenizer, turns, rt.name)
+    ids = prompts[:5] + convo + prompts[5:9]
+    parents = [None] * 5 + [None, 5, 6] + [None] * 4
+    want = [collect(engine.generate(p, ar, GenerationConfig(max_new_tokens=N_NEW))).token_ids for p in convo]
+    prefilled = []
+    dec = batch.BatchDecoder(rt.model, (), batch=3, keep_hidden=True)
+    real = dec._prefill
+    dec._prefill = lambda s, tokens, past: prefilled.append((len(tokens), past)) or real(s, tokens, past)
+    got = {a.index: a.tokens for a in dec.run(ids, N_NEW, parents=parents)}
+    assert [got[5], got[6], got[7]] == want
+    assert [got[i] for i in range(5)] == alone[:5] and [got[i] for i in range(8, 12)] == alone[5:9]
+    # turns 2 and 3 prefilled from their parent's length, their own tokens only
+    assert (len(convo[1]) - len(convo[0]), len(convo[0])) in prefilled
+    assert (len(convo[2]) - len(convo[1]), len(convo[1])) in prefilled
+    with pytest.raises(ValueError, match="does not extend its parent"):
+        list(batch.BatchDecoder(rt.model, (), batch=2).run([convo[1], convo[0]], 4, parents=[None, 0]))

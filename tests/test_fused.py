@@ -166,8 +166,8 @@ def test_fused_stack_equals_transformers_forward(q8):
 @pytest.mark.parametrize("q8", [False, True])
 def test_fused_engine_equals_its_generate(monkeypatch, q8):
     calls = []
-    stack_forward = decoder._stack_forward
-    monkeypatch.setattr(decoder, "_stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
+    stack_forward = decoder.stack_forward
+    monkeypatch.setattr(decoder, "stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
     model = blocked_llama(1, q8)
     heads = random_heads(model)
     engine = Engine(model, [])

@@ -18,7 +18,8 @@ and comes back in the same order on every call:
   repeats dropped (the first in file order is kept). Split by conversation: ShareGPT cuts long
   chats into segments `<base>_<k>`, and all segments of one chat go to the same split, by
   `int(sha256(base).hexdigest()[:8], 16) % 10`: 0 -> `eval`, 1 -> `calib`, 2-9 -> `train`.
-  Reference = the first assistant (gpt) reply, when it directly follows.
+  Reference = the first assistant (gpt) reply, when it directly follows. Training also reads
+  the later human turns of its conversations, each in its conversation's context (`chat_turns`).
 - code, extra training prompts: the chat prompts of a split that mention Python
   (`sharegpt_code_pairs`). They stay in chat's split, so an evaluation or calibration
   conversation never trains the code heads either.
@@ -196,10 +197,11 @@ def _chat_bucket(conv_id: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _chat_rows() -> tuple[tuple[str, str, str], ...]:
-    """(split, first human turn, first gpt reply or "") per kept conversation, in file order."""
+def _chat_conversations() -> tuple[tuple[str, tuple[dict, ...]], ...]:
+    """(split, turns) per kept conversation (opening with a non-empty human turn of at most
+    CHAT_MAX_CHARS, its first repeat in file order kept), in file order."""
     seen: set[str] = set()
-    rows = []
+    out = []
     for conv in sharegpt_conversations():
         turns = conv.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
@@ -209,11 +211,47 @@ def _chat_rows() -> tuple[tuple[str, str, str], ...]:
             continue
         # Dedup before splitting, so one text can never land in two splits.
         seen.add(prompt)
+        out.append((_chat_bucket(str(conv.get("id", ""))), tuple(turns)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_rows() -> tuple[tuple[str, str, str], ...]:
+    """(split, first human turn, first gpt reply or "") per kept conversation, in file order."""
+    rows = []
+    for split, turns in _chat_conversations():
         reply = ""
         if len(turns) > 1 and turns[1].get("from") == "gpt":
             reply = (turns[1].get("value") or "").strip()
-        rows.append((_chat_bucket(str(conv.get("id", ""))), prompt, reply))
+        rows.append((split, (turns[0].get("value") or "").strip(), reply))
     return tuple(rows)
+
+
+def chat_turns(split: str) -> list[tuple[dict, ...]]:
+    """Chat's later human turns, each in its conversation's context: for every conversation of
+    `split` and every human turn after the first, the messages up to and including it
+    (`{"role": "user" | "assistant", "content"}`, the assistant turns as ShareGPT holds them), in
+    file order. A conversation is read while its turns alternate human / gpt with non-empty texts
+    of at most CHAT_MAX_CHARS; a turn whose text is a chat prompt of another split (its first human
+    turn: an evaluation or calibration prompt) is left out with the rest of its conversation."""
+    _check("chat", split)
+    if split == "eval":
+        raise DataError("the evaluation split is first turns only (chat's prompts)")
+    others = {p for s, p, _ in _chat_rows() if s != split}
+    out = []
+    for s, turns in _chat_conversations():
+        if s != split:
+            continue
+        messages: list[dict] = []
+        for k, turn in enumerate(turns):
+            text = (turn.get("value") or "").strip()
+            want = "human" if k % 2 == 0 else "gpt"
+            if turn.get("from") != want or not text or len(text) > CHAT_MAX_CHARS or text in others:
+                break
+            messages.append({"role": "user" if want == "human" else "assistant", "content": text})
+            if want == "human" and k > 0:
+                out.append(tuple(messages))
+    return out
 
 
 def _chat_split(split: str) -> list[tuple[str, str]]:

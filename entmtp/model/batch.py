@@ -2,9 +2,11 @@
 
 Up to `batch` sequences advance one token a step through the engine's own layer stack
 (`Stack.forward_rows` in `csrc/layers.cpp`): the projections read their weights once for all rows,
-each row attends its own KV cache. A finished sequence (EOS or its budget) leaves at once and the
-next prompt takes its slot (its prompt prefilled as the engine prefills one), so the batch stays
-full. The kernels compute each row alone, so a batched answer is, token for token and bit for bit,
+each row attends its own keys and values, a slot of two pools made once a run. A finished sequence
+(EOS or its budget) leaves at once and the next prompt takes its slot (its prompt prefilled as the
+engine prefills one), so the batch stays full. The prompts' common opening (a chat template's
+system turn) is prefilled once and copied into each slot: a prefill's rows and each query's
+attention are computed alone, in the same order whatever the block, so this gives the same bits. The kernels compute each row alone, so a batched answer is, token for token and bit for bit,
 the answer the engine's `ar` decode gives that prompt alone (`tests/test_batch.py`), which is the
 served model's `generate`.
 
@@ -20,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from entmtp.model import forward, kernels, kv
+from entmtp.model import decoder, kernels
 
 MAX_BATCH = 64  # the LM head's Q8 kernels take at most 64 rows a call (more go through float32: other bits)
 
@@ -45,12 +47,43 @@ class Answer:
 @dataclass
 class _Slot:
     index: int
-    cache: object
+    slot: int  # its place in the key/value pools
     past: int
     budget: int
     tokens: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+
+
+class _PoolLayer:
+    """One layer of one slot of the pools, read by `decoder.stack_forward` as a cache layer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def make_room(self, n, kv_heads, dim, dtype, device):
+        return self.keys, self.values
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+MIN_SHARED = 8  # a common opening shorter than this is prefilled with each prompt
+
+
+def common_opening(prompts: list[list[int]]) -> int:
+    """How many opening tokens every prompt shares, leaving each at least one of its own (0 when
+    under MIN_SHARED or for a single prompt)."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n if n >= MIN_SHARED else 0
 
 
 class BatchDecoder:
@@ -66,13 +99,17 @@ class BatchDecoder:
         cfg = model.config
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         attn = model.model.layers[0].self_attn
-        self.kv_heads, self.dim = cfg.num_key_value_heads, attn.head_dim
+        self.layers, self.kv_heads, self.dim = cfg.num_hidden_layers, cfg.num_key_value_heads, attn.head_dim
+        self.keys = self.values = torch.empty(0)
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], max_new_tokens: int,
-            on_token: Callable[[int], None] | None = None) -> Iterator[Answer]:
+            on_token: Callable[[int], None] | None = None,
+            parents: list[int | None] | None = None) -> Iterator[Answer]:
         """Answers as they finish (not in prompt order). `on_token(n)`: n new tokens were decoded
-        (a progress bar's hook)."""
+        (a progress bar's hook). `parents[i]`: an earlier prompt that prompt i extends (a
+        conversation's previous turn), or None: prompt i then waits for that prompt's answer and
+        takes its slot, whose cache still holds the parent prompt, prefilling only its own tokens."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         for i, p in enumerate(prompts):
@@ -80,21 +117,62 @@ class BatchDecoder:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) >= self.max_positions:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_positions}")
-        queue = list(range(len(prompts)))[::-1]
+        parents = list(parents) if parents is not None else [None] * len(prompts)
+        if len(parents) != len(prompts):
+            raise ValueError(f"{len(parents)} parents for {len(prompts)} prompts")
+        children: dict[int, list[int]] = {}
+        for i, up in enumerate(parents):
+            if up is None:
+                continue
+            if not 0 <= up < i or len(prompts[up]) >= len(prompts[i]) or prompts[i][: len(prompts[up])] != prompts[up]:
+                raise ValueError(f"prompt {i} does not extend its parent {up} (an earlier, shorter prompt it begins with)")
+            children.setdefault(up, []).append(i)
+        if not prompts:
+            return
+        self._pools(min(self.batch, len(prompts)), 256)
+        roots = [i for i in range(len(prompts)) if parents[i] is None]
+        shared = common_opening([prompts[i] for i in roots])
+        opening = None
+        if shared:  # prefilled once in slot 0, copied into each slot as it fills
+            self._prefill(0, prompts[roots[0]][:shared], 0)
+            opening = (self.keys[0, :, :, :shared].clone(), self.values[0, :, :, :shared].clone())
+        ready = roots[::-1]  # prompts whose parent (if any) has answered, next last
+        pending: dict[int, int] = {}  # slot -> the child that continues its parent's cache there
+        free = list(range(self.keys.shape[0]))[::-1]
         slots: list[_Slot] = []
         nxt: list[int] = []  # each slot's next token (decoded, not yet fed)
-        while queue or slots:
-            while queue and len(slots) < self.batch:  # fill the free slots: prefill as the engine does
-                i = queue.pop()
+
+        def finished(slot: _Slot) -> None:  # its slot is free; its children are ready, the first in its slot
+            free.append(slot.slot)
+            kids = children.get(slot.index, [])
+            if kids:
+                pending[slot.slot] = kids[0]
+                ready.extend(kids[:0:-1])
+
+        while ready or pending or slots:
+            for s in list(free):  # fill the free slots: prefill as the engine does
+                if s in pending:  # the slot's cache holds the parent's prompt: prefill after it
+                    i = pending.pop(s)
+                    start = len(prompts[parents[i]])
+                elif ready:
+                    i, start = ready.pop(), 0
+                else:
+                    continue
                 ids = prompts[i]
-                slot = _Slot(i, kv.new_cache(self.model.config), len(ids), min(max_new_tokens, self.max_positions - len(ids)))
-                hidden, logits = forward.forward(self.model, slot.cache, torch.tensor([ids]), torch.arange(len(ids))[None], None,
-                                                 last_only=True)
+                free.remove(s)
+                slot = _Slot(i, s, len(ids), min(max_new_tokens, self.max_positions - len(ids)))
+                self._pools(self.keys.shape[0], len(ids) + slot.budget)
+                if not start and opening is not None:
+                    self.keys[s, :, :, :shared] = opening[0]
+                    self.values[s, :, :, :shared] = opening[1]
+                    start = shared
+                hidden, logits = self._prefill(s, ids[start:], start)
                 token = int(kernels.argmax_rows(logits[-1:])[0])
                 done = self._take(slot, token, hidden[-1])
                 if on_token:
                     on_token(1)
                 if done:
+                    finished(slot)
                     yield done
                     continue
                 slots.append(slot)
@@ -109,11 +187,35 @@ class BatchDecoder:
             for b, (slot, token) in enumerate(zip(slots, tokens)):
                 done = self._take(slot, token, hidden[b])
                 if done:
+                    finished(slot)
                     yield done
                 else:
                     kept.append(slot)
                     kept_next.append(token)
             slots, nxt = kept, kept_next
+
+    def _pools(self, slots: int, capacity: int) -> None:
+        """The key and value pools [slots, layers, kv_heads, capacity, D], grown (doubling, the
+        entries kept) to hold `capacity` positions a slot."""
+        have = self.keys.shape[3] if self.keys.dim() == 5 and self.keys.shape[0] == slots else 0
+        if capacity <= have:
+            return
+        cap = max(capacity, 2 * have)
+        shape = (slots, self.layers, self.kv_heads, cap, self.dim)
+        keys, values = torch.empty(shape), torch.empty(shape)
+        if have:
+            keys[:, :, :, :have] = self.keys
+            values[:, :, :, :have] = self.values
+        self.keys, self.values = keys, values
+
+    def _prefill(self, slot: int, ids: list[int], past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `ids` at positions past.. into pool slot `slot`, in one block, as the engine
+        prefills a prompt -> hidden (Q, H), the last position's logits (1, V)."""
+        model = self.model
+        x = model.model.embed_tokens(torch.tensor([ids]))
+        cos, sin = model.model.rotary_emb(x, position_ids=torch.arange(past, past + len(ids))[None])
+        layers = [_PoolLayer(self.keys[slot, l : l + 1], self.values[slot, l : l + 1]) for l in range(self.layers)]
+        return decoder.stack_forward(model, self.stack, layers, x[0], cos[0], sin[0], past, None, last_only=True)
 
     def _take(self, slot: _Slot, token: int, hidden: torch.Tensor) -> Answer | None:
         """Record the slot's next token (and the state that predicted it); its answer if it is done."""
@@ -129,21 +231,12 @@ class BatchDecoder:
     def _step(self, slots: list[_Slot], nxt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each slot its next token: one pass of the stack over all rows. -> hidden (B, H), logits (B, V)."""
         model = self.model
-        ids = torch.tensor([nxt])  # (1, B)
         pasts = [s.past for s in slots]
-        pos = torch.tensor([pasts])  # (1, B): each row at its own position
-        x = model.model.embed_tokens(ids)
-        cos, sin = model.model.rotary_emb(x, position_ids=pos)
-        keys, values = [], []
+        x = model.model.embed_tokens(torch.tensor([nxt]))  # (1, B, H)
+        cos, sin = model.model.rotary_emb(x, position_ids=torch.tensor([pasts]))  # each row at its own position
+        out = self.stack.forward_rows(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), self.keys, self.values,
+                                      [s.slot for s in slots], pasts)
         for s in slots:
-            for layer in s.cache.layers:
-                k, v = layer.make_room(1, self.kv_heads, self.dim, x.dtype, x.device)
-                keys.append(k)
-                values.append(v)
-        out = self.stack.forward_rows(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), keys, values, pasts)
-        for s in slots:
-            for layer in s.cache.layers:
-                layer.advance(1)
             s.past += 1
         hidden = model.model.norm(out)
         return hidden, model.get_output_embeddings()(hidden)

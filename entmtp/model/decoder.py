@@ -239,7 +239,7 @@ def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids:
         mask = _seen(mask)
         if mask is not None and not bool(mask[0, 0, :, :past].all()):  # the stack lets every node see the cache
             return None
-        return _stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask, last_only)
+        return stack_forward(model, stack, layers, x[0], cos[0], sin[0], past, mask, last_only)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     shape = (1, q_len, -1, p.layers[0][1].head_dim)
     for (layer, attn, qkv, gate_up), c in zip(p.layers, layers):
@@ -261,7 +261,7 @@ def lean_forward(model: nn.Module, cache, input_ids: torch.Tensor, position_ids:
     return hidden, p.head(hidden[-1:] if last_only else hidden)
 
 
-def _stack_forward(model, stack, layers, x, cos, sin, past: int, mask, last_only: bool = False):
+def stack_forward(model, stack, layers, x, cos, sin, past: int, mask, last_only: bool = False):
     """The fused model's layers in one extension call, writing the cache in place; `mask` is None
     (causal) or bool [1, 1, Q, past + Q] that shows every node the whole cache."""
     attn = model.model.layers[0].self_attn

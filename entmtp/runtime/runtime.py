@@ -429,17 +429,20 @@ def prompt_format(tok, model_name: str = "") -> str:
     return VICUNA if "vicuna" in model_name.lower() else PLAIN
 
 
-def chat_ids(tok, prompts: list[str], model_name: str = "") -> list[list[int]]:
+def chat_ids(tok, prompts: list, model_name: str = "") -> list[list[int]]:
     """Each user message in the tokenizer's chat template where it has one, else FastChat's Vicuna
     format for a Vicuna model, else as it is; as token ids, in one call of the tokenizer: each
-    prompt's ids as it alone would get them."""
+    prompt's ids as it alone would get them. A prompt may also be a conversation (a sequence of
+    `{"role", "content"}` ending with the user's turn), in a chat template only."""
     if not prompts:
         return []
     fmt = prompt_format(tok, model_name)
     if fmt == CHAT_TEMPLATE:
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                 for p in prompts]
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else list(p),
+                                         add_generation_prompt=True, tokenize=False) for p in prompts]
         return tok(texts, add_special_tokens=False)["input_ids"]
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"a conversation needs the model's chat template; this model's prompts are {fmt}")
     if fmt == VICUNA:
         return tok([f"{VICUNA_SYSTEM} USER: {p} ASSISTANT:" for p in prompts])["input_ids"]
     return tok(list(prompts))["input_ids"]

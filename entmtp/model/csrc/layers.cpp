@@ -356,6 +356,8 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at:
 // post-attention norm weight; gate/up fused (q, d, m); down (q, d, m). `q8`: the projections take
 // Q8 activations, computed by instruction-set path `isa` (gguf_linear.cpp).
 struct Stack {
+  // a row's fixed work in forward_rows' attention split (its rotary and cache entry), in keys' worth
+  static constexpr int64_t kRowWork = 16;
   std::vector<at::Tensor> w;
   int64_t heads, kv_heads, dim;
   double eps, scale;
@@ -431,36 +433,51 @@ struct Stack {
   }
 
   // One new token for each of B independent sequences (batched decoding, `model/batch.py`): x [B, H]
-  // (row b embedded at position pasts[b]), cos/sin [B, D], and each sequence's own layer buffers,
-  // keys[b * layers + l] and values[b * layers + l], each [1, kv_heads, capacity, D] holding pasts[b]
+  // (row b embedded at position pasts[b]), cos/sin [B, D], and the batch's key and value pools
+  // [slots, layers, kv_heads, capacity, D]: row b's sequence lives in slot slots[b] and holds pasts[b]
   // entries. Writes row b's key and value at pasts[b], returns the last layer's output [B, H]. The
   // projections take all rows at once (each output of each row computed alone, so a row's bits do
   // not depend on the others); each row attends its own sequence alone, causally, as `forward` with
   // Q = 1 attends it: row b's result is, bit for bit, that sequence's one-token step.
-  at::Tensor forward_rows(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+  at::Tensor forward_rows(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values, std::vector<int64_t> slots,
                           std::vector<int64_t> pasts) {
     const int64_t layers = static_cast<int64_t>(w.size() / 14), B = x.size(0), D = dim;
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "Stack: x must be float32 [B, H]");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D, "Stack: cos/sin must be [B, D]");
-    TORCH_CHECK(static_cast<int64_t>(pasts.size()) == B, "Stack: one past a row");
-    TORCH_CHECK(static_cast<int64_t>(keys.size()) == B * layers && static_cast<int64_t>(values.size()) == B * layers,
-                "Stack: one cache per row and layer");
+    TORCH_CHECK(static_cast<int64_t>(pasts.size()) == B && static_cast<int64_t>(slots.size()) == B, "Stack: one slot and one past a row");
+    TORCH_CHECK(keys.dim() == 5 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                    keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.size(1) == layers &&
+                    keys.size(2) == kv_heads && keys.size(4) == D,
+                "Stack: the key/value pools must be float32 [slots, layers, kv_heads, capacity, D]");
+    const int64_t cap = keys.size(3);
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && pasts[b] >= 0 && pasts[b] < cap, "Stack: a row's slot or past is out of the pools");
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     const int64_t qw = heads * D, kw = kv_heads * D, H = x.size(1);
     TORCH_CHECK(H % 8 == 0, "Stack: the hidden size must be a multiple of 8");
     const Visibility causal;  // Q = 1 over the row's own entries: it sees them all
+    // the rows split among the threads by their work, not their count: a row's attention reads its
+    // whole cache, and the caches of a batch differ tenfold in length (prompts of 30 to 500 tokens);
+    // equal counts left one thread idle for much of each layer. Each row is still computed alone.
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+    std::vector<int64_t> cut(parts + 1, B);
+    {
+      int64_t total = 0;
+      for (int64_t b = 0; b < B; ++b) total += pasts[b] + 1 + kRowWork;
+      cut[0] = 0;
+      int64_t done = 0, part = 1;
+      for (int64_t b = 0; b < B && part < parts; ++b) {
+        done += pasts[b] + 1 + kRowWork;
+        while (part < parts && done * parts >= total * part) cut[part++] = b + 1;
+      }
+    }
     x = x.clone();
     auto h = at::empty({B, H}, x.options());
     auto qr = at::empty({B, heads, D}, x.options());
     auto att = at::empty({B, heads * D}, x.options());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t l = 0; l < layers; ++l) {
-        const auto& kb = keys[b * layers + l];
-        const auto& vb = values[b * layers + l];
-        TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.size(1) == kv_heads && kb.size(2) > pasts[b] && kb.size(3) == D &&
-                        vb.sizes() == kb.sizes(), "Stack: a key/value buffer is too small or misshapen");
-      }
+    float* kpool = keys.data_ptr<float>();
+    float* vpool = values.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* t = w.data() + 14 * l;
       norm_into(t[0], x, h);
@@ -471,14 +488,12 @@ struct Stack {
       float* ap = att.data_ptr<float>();
       // rows in parallel: a row's rotary, its cache entry and its attention, each computed alone
       // (the attention's own split runs inline within a parallel region: the same order as alone)
-      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) {
-          auto& kb = keys[b * layers + l];
-          auto& vb = values[b * layers + l];
-          const int64_t cap = kb.size(2), past = pasts[b];
+      at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t b = cut[p0]; b < cut[p1]; ++b) {
+          const int64_t past = pasts[b], at = (slots[b] * layers + l) * kv_heads * cap * D;
           const float* r = src + b * row;
-          float* kp = kb.data_ptr<float>();
-          float* vp = vb.data_ptr<float>();
+          float* kp = kpool + at;
+          float* vp = vpool + at;
           for (int64_t hh = 0; hh < heads; ++hh) rope_row(r + hh * D, cp + b * D, sp + b * D, D, qp + (b * heads + hh) * D);
           for (int64_t g = 0; g < kv_heads; ++g) {
             rope_row(r + qw + g * D, cp + b * D, sp + b * D, D, kp + (g * cap + past) * D);
@@ -676,7 +691,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<Stack>(mod, "Stack")
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
       .def("forward", &Stack::forward)
-      .def("forward_rows", &Stack::forward_rows, "one new token for each of B sequences, each with its own cache")
+      .def("forward_rows", &Stack::forward_rows, "one new token for each of B sequences, each in its own slot of the key/value pools")
       .def_readwrite("isa", &Stack::isa);
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,

@@ -59,6 +59,26 @@ def non_negative_float(text: str) -> float:
     return v
 
 
+def positive_float(text: str) -> float:
+    v = non_negative_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def source_counts(text: str) -> dict:
+    """`chat/turns=5000,math/self` -> {"chat/turns": 5000, "math/self": None} over grow-answers' sources."""
+    from entmtp.tools.answers import SOURCES
+
+    out: dict = {}
+    for part in text.split(","):
+        name, eq, n = part.partition("=")
+        if name.strip() not in SOURCES:
+            raise argparse.ArgumentTypeError(f"unknown source {name.strip()!r} in {text!r} (expected {', '.join(SOURCES)})")
+        out[name.strip()] = positive_int(n.strip()) if eq else None
+    return out
+
+
 def add_model_args(p: argparse.ArgumentParser, fit: bool = True) -> None:
     d = ModelConfig()
     if fit:
@@ -150,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--everyday", type=non_negative_int, default=t.everyday_prompts, metavar="N",
                     help="composed everyday requests (advice, how-to, messages, ...) answered by the base model, as chat "
                          "(default: %(default)s)")
+    tr.add_argument("--turns", type=non_negative_int, default=t.turn_prompts, metavar="N",
+                    help="ShareGPT's later human turns, each in its conversation's context, answered by the base model, as chat "
+                         "(grow-answers' chat/turns; default: %(default)s)")
     tr.add_argument("--init", default="", metavar="DIR",
                     help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept unless "
                          "--new-vocab; Hydra mlp heads may grow deeper with --num-layers: new blocks start as the identity)")
@@ -163,6 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=t.seed)
     tr.add_argument("--model", default=ModelConfig().model, help="default alias, hub id or local path")
     tr.add_argument("--device", default=ModelConfig().device)
+
+    ga = sub.add_parser("grow-answers", help="the served model's greedy answers to training prompts not answered yet, batched "
+                                             "(the heads' corpus; resumable)")
+    ga.add_argument("--sources", type=source_counts, default=None, metavar="SOURCE[=N],...",
+                    help="where prompts come from, each with an optional limit (default: every source, no limit: "
+                         "chat/turns, chat/self, math/self, code/sharegpt, chat/everyday)")
+    ga.add_argument("--batch", type=positive_int, default=32, metavar="N", help="sequences decoded together (default: %(default)s)")
+    ga.add_argument("--answer-tokens", type=positive_int, default=t.answer_tokens,
+                    help="answer cap (default: %(default)s, train-heads' training answers)")
+    ga.add_argument("--max-prompt-tokens", type=positive_int, default=1024,
+                    help="longer prompts are skipped (default: %(default)s)")
+    ga.add_argument("--minutes", type=positive_float, default=None, help="stop after this long (the answers so far are kept)")
+    ga.add_argument("--store", default=None, metavar="FILE",
+                    help="the corpus store, read and extended (default: data/answers/<model>-corpus.jsonl.gz for the default model)")
+    add_model_args(ga, fit=False)
 
     ev = sub.add_parser("eval-heads", help="held-out head accuracy and mean accepted length per task")
     ev.add_argument("--kind", choices=["hydra", "medusa", "both"], default="hydra")
@@ -391,6 +429,36 @@ def _generate_batched(rt, items: list[dict], args: argparse.Namespace) -> None:
     print(f"[ar --batch {args.batch}] {len(ids)} prompts, {bar.n} tokens in {total:.1f} s, {bar.n / total:.1f} tok/s", file=sys.stderr)
 
 
+def cmd_grow_answers(args: argparse.Namespace) -> None:
+    from entmtp.config import DEFAULT_MODEL
+    from entmtp.data.answers import AnswerStore, held_out_keys
+    from entmtp.model import batch
+    from entmtp.tools import answers
+
+    if args.batch > batch.MAX_BATCH:
+        raise UsageError(f"--batch is at most {batch.MAX_BATCH}, got {args.batch}")
+    from entmtp.runtime.runtime import load_runtime
+
+    rt = load_runtime(model_config(args), progress=_progress)
+    if not batch.available(rt.model):
+        raise UsageError(f"grow-answers needs the fused layer stack, which {rt.name} does not run on here ({rt.arithmetic})")
+    if args.store is None and rt.name != DEFAULT_MODEL:
+        raise UsageError(f"--store is needed for {rt.name} (the repository keeps the default model's answers only)")
+    path = Path(args.store) if args.store else answers.corpus_path(rt.name)
+    store = AnswerStore(path, rt.name + rt.arithmetic)
+    sources = args.sources or {s: None for s in answers.SOURCES}
+    summary = answers.grow(rt, sources, store, batch=args.batch, answer_tokens=args.answer_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, minutes=args.minutes)
+    # never a calibration or evaluation prompt's answer (a split can move when a prompt source grows)
+    summary["dropped_held_out"] = store.drop(held_out_keys(rt.name, rt.encode_all))
+    store.compact()
+    summary["store"] = answers.describe(store)
+    print(f"[grow-answers] {summary['answers']} answers, {summary['tokens']} tokens in {summary['seconds']:.0f} s "
+          f"({summary['tokens_per_s']:.0f} tok/s); the store holds {summary['store']['tokens']} tokens in "
+          f"{summary['store']['bytes'] / 1e6:.1f} MB", file=sys.stderr)
+    print(json.dumps(summary))
+
+
 def _work_dir(args: argparse.Namespace) -> Path:
     from entmtp.config import ROOT
     from entmtp.runtime.weights import model_slug
@@ -419,7 +487,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, turn_prompts=args.turns, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
         new_vocab=args.new_vocab, feature_dropout=args.feature_dropout,
     )
     kinds = _kinds(args.kind)
@@ -443,12 +511,17 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         answers_file = ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz"
     else:
         answers_file = work / "answers.jsonl.gz"
+    stores = [AnswerStore(answers_file, args.model)]
+    if args.model == DEFAULT_MODEL and not args.answers:  # and grow-answers' corpus: the served model's answers
+        from entmtp.tools.answers import corpus_path
+
+        stores.append(AnswerStore(corpus_path(args.model), args.model + "+q8"))
     results = train_and_save(
         rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
         tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, work, args.resume,
         {"command": command, "model": args.model},
         log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
-        answers=AnswerStore(answers_file, args.model), corpus_only=args.corpus_only,
+        answers=stores, corpus_only=args.corpus_only,
     )
     if args.corpus_only:
         print(json.dumps({**results["corpus"], "answers": str(answers_file)}))
@@ -672,6 +745,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"prepare": cmd_prepare, "bench": cmd_bench, "report": cmd_report, "calibrate": cmd_calibrate, "generate": cmd_generate, "train-heads": cmd_train_heads,
+            "grow-answers": cmd_grow_answers,
             "eval-heads": cmd_eval_heads, "build-bank": cmd_build_bank, "kernels": cmd_kernels}
 
 

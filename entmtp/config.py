@@ -153,6 +153,7 @@ class TrainConfig:
     ref_prompts: tuple = (("code", 75), ("math", 2500), ("chat", 1600))
     sharegpt_code_prompts: int = 0  # chat-split (train) questions naming Python, answered by the base model, as code
     everyday_prompts: int = 0  # composed everyday requests (entmtp.data.everyday), answered by the base model, as chat
+    turn_prompts: int = 0  # ShareGPT's later human turns in context (chat's split), answered by the base model (grow-answers' chat/turns)
     heldout_prompts: int = 8  # per task, calib split, self-generated: held-out accuracy
     answer_tokens: int = 160  # longest answer kept (generated or reference)
     max_prompt_tokens: int = 384  # longer prompts are skipped

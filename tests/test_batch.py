@@ -147,3 +147,52 @@ def test_a_conversation_s_turns_continue_their_parent_s_cache(rt, alone, prompts
     assert (len(convo[2]) - len(convo[1]), len(convo[1])) in prefilled
     with pytest.raises(ValueError, match="does not extend its parent"):
         list(batch.BatchDecoder(rt.model, (), batch=2).run([convo[1], convo[0]], 4, parents=[None, 0]))
+
+
+def test_answers_read_back_give_the_states_decoding_kept(rt, prompts):
+    """`read_back` (the heads' corpus teacher-forced on the served stack): one block a sequence,
+    the same hidden states as decoding kept, bit for bit, a conversation's turn continuing its
+    parent's cache included."""
+    from entmtp.runtime.runtime import chat_ids
+
+    turns = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+              {"role": "user", "content": "And a fruit?"}]]
+    ids = prompts[:3] + chat_ids(rt.tokenizer, turns, rt.name)
+    parents = [None, None, None, None, 3]
+    dec = batch.BatchDecoder(rt.model, (), batch=3, keep_hidden=True)
+    decoded = {a.index: a for a in dec.run(ids, 12, parents=parents)}
+    back = list(batch.BatchDecoder(rt.model, (), batch=1).read_back(ids, [decoded[i].tokens for i in range(len(ids))], parents))
+    assert [i for i, _ in back] == list(range(len(ids)))
+    for i, hidden in back:
+        assert torch.equal(hidden, decoded[i].hidden), i
+
+
+def test_grow_answers_appends_what_no_store_holds_and_resumes(rt, tmp_path, capsys):
+    """`grow-answers` on the served model: new answers land in the store given, as `generate --batch`
+    gives them; a prompt either store answers (in either arithmetic) is skipped, so a rerun plans
+    nothing."""
+    import json
+
+    from entmtp.__main__ import main
+    from entmtp.data.answers import AnswerStore
+    from entmtp.tools import answers
+
+    store = tmp_path / "corpus.jsonl.gz"
+    args = ["grow-answers", "--sources", "code/sharegpt=3,math/self=2", "--store", str(store), "--batch", "2"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the repository's store answers the first code/sharegpt and math/self training prompts already (float32
+    # arithmetic, train-heads' 160-token cap), so nothing is planned: the skip crosses arithmetics
+    assert first["planned"] == 0 and first["skipped"]["math/self"]["stored"] == 2
+    turns = ["grow-answers", "--sources", "chat/turns=3", "--answer-tokens", "6", "--store", str(store), "--batch", "2"]
+    assert main(turns) == 0
+    grown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert grown["answers"] == grown["planned"] == 3 and grown["store"]["answers"] == 3
+    texts, _ = answers.source_prompts("chat/turns")
+    ids = [p for p in rt.encode_all(texts[:20]) if len(p) <= 1024][:3]
+    got = AnswerStore(store, rt.name + rt.arithmetic)
+    want = {a.index: a.tokens for a in batch.BatchDecoder(rt.model, rt.engine.eos, batch=1).run(ids, 6)}
+    assert [got.get(p, 6) for p in ids] == [want[i] for i in range(3)]
+    assert main(turns) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["planned"] == 0

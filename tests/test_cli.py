@@ -197,3 +197,13 @@ def test_prepare_prints_every_threads_stack_and_exits_when_it_outlives_its_watch
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.perf_counter() - started < 50
     assert "Timeout" in done.stderr and "cmd_prepare" in done.stderr
+
+
+@pytest.mark.parametrize("args, needle", [(["--sources", "chat/poems"], "unknown source 'chat/poems'"),
+                                          (["--batch", "65"], "--batch is at most 64"),
+                                          ([], "fused layer stack")])
+def test_grow_answers_refuses_bad_input_in_one_line(capsys, tiny_dir, args, needle):
+    code, out, err = cli(capsys, "grow-answers", *args, "--model", str(tiny_dir))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entmtp: error:") and needle in lines[0], err

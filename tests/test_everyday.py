@@ -1,6 +1,6 @@
 """Chat's second evaluation set (everyday requests) and the rule that no evaluation prompt is ever
 trained or calibrated on, checked against every source: composed instructions, every task's
-training and calibration splits, and the repository's stored greedy answers."""
+training and calibration splits, grow-answers' sources, and the repository's stored greedy answers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from entmtp.config import DEFAULT_MODEL, EVAL_SETS, ROOT, TASKS, BankBuildConfig, TrainConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
-from entmtp.data.answers import ANSWERS_DIR, AnswerStore
+from entmtp.data.answers import ANSWERS_DIR, AnswerStore, held_out_keys
 from entmtp.bank.build import calibration_prompts
+from entmtp.tools import answers
 from entmtp.tools.train import corpus_plan
 
 
@@ -54,7 +55,7 @@ def test_no_training_or_calibration_source_holds_an_evaluation_prompt(split):
     """Every source the default plan (and the largest optional plan) reads, and the calibration
     prompts banks trace, by text, against every evaluation set."""
     evaluation = _evaluation()
-    cfg = replace(TrainConfig(), sharegpt_code_prompts=10**6, everyday_prompts=10**6)
+    cfg = replace(TrainConfig(), sharegpt_code_prompts=10**6, everyday_prompts=10**6, turn_prompts=10**6)
     sources = {(t, s) for t, s, _ in corpus_plan(cfg, split)}
     assert ("chat", "everyday") in sources
     for task, source in sorted(sources):
@@ -62,9 +63,15 @@ def test_no_training_or_calibration_source_holds_an_evaluation_prompt(split):
             texts = everyday.prompts(split)
         elif source == "sharegpt":
             texts = [p for p, _ in data.sharegpt_code_pairs(split)]
+        elif source == "turns":  # every turn of each context
+            texts = [m["content"] for conv in data.chat_turns(split) for m in conv]
         else:
             texts = data.prompts(task, split) + [p for p, _ in data.pairs(task, split)]
         assert texts and not set(texts) & evaluation, (task, source)
+    for source in answers.SOURCES:  # what grow-answers answers (the heads' corpus): every turn of a conversation
+        texts = [m["content"] if isinstance(m, dict) else m for p in answers.source_prompts(source, split)[0]
+                 for m in (p if isinstance(p, tuple) else (p,))]
+        assert texts and not set(texts) & evaluation, source
     for task in TASKS:  # what build-bank traces (chat: ShareGPT's calib split and composed everyday requests)
         texts, _ = calibration_prompts(task, None, BankBuildConfig().calib_prompts)
         assert len(texts) == BankBuildConfig().calib_prompts and not set(texts) & evaluation
@@ -84,6 +91,11 @@ def test_stored_answers_hold_no_evaluation_prompt():
     encode = lambda text: Runtime.encode(type("R", (), {"tokenizer": tok, "name": DEFAULT_MODEL})(), text)  # noqa: E731
     store = AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", DEFAULT_MODEL)
     assert len(store.rows) > 1000
+    corpus = AnswerStore(answers.corpus_path(DEFAULT_MODEL), DEFAULT_MODEL)  # grow-answers' store
+    assert len(corpus.rows) > 100
+    # ... which holds no calibration prompt's answer either (the heads train on all of it)
+    assert not set(corpus.rows) & held_out_keys(DEFAULT_MODEL, lambda texts: [encode(t) for t in texts])
+    store.rows.update(corpus.rows)
     lengths = {TrainConfig().answer_tokens, BankBuildConfig().calib_new_tokens}
     keyed = [AnswerStore(None, DEFAULT_MODEL + a) for a in ("", "+q8", "+q8h/64", "+q8/64")]
     evaluation = sorted(_evaluation())

@@ -73,6 +73,20 @@ class AnswerStore:
             with gzip.open(self.path, "at", encoding="utf-8") as f:
                 f.write(_lines(new))
 
+    def drop(self, keys: set[str]) -> int:
+        """Forget the answers under `keys` (the file rewritten); -> how many there were."""
+        gone = [k for k in self.rows if k in keys]
+        for k in gone:
+            del self.rows[k]
+        if gone and self.path is not None:
+            self._rewrite()
+        return len(gone)
+
+    def compact(self) -> None:
+        """Rewrite the file as one gzip member (appends add one each), the rows in the same order."""
+        if self.path is not None and self.path.exists():
+            self._rewrite()
+
     def _rewrite(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with gzip.open(tmp, "wt", encoding="utf-8") as f:
@@ -92,15 +106,21 @@ def training_answers(model: str, encode_all: Callable[[list[str]], list[list[int
     that of a calibration or evaluation prompt (any task, the everyday requests included), under
     either arithmetic and any answer cap the project uses. So a draft source built on them (the
     phrasebook) has never seen a prompt it is fitted or measured on."""
+    store = repo_store(model)
+    if store is None:
+        return []
+    held = held_out_keys(model, encode_all)
+    return [r["tokens"] for k, r in store.rows.items() if r["source"] != "greedy" and k not in held]
+
+
+def held_out_keys(model: str, encode_all: Callable[[list[str]], list[list[int]]]) -> set[str]:
+    """The store keys of every calibration and evaluation prompt (any task, the everyday requests
+    included), under either arithmetic and any answer cap the project uses."""
     from entmtp.config import EVAL_SETS, TASKS
     from entmtp.data import everyday
     from entmtp.data.prompts import eval_set, prompts
 
-    store = repo_store(model)
-    if store is None:
-        return []
     texts = [p for t in TASKS for p in prompts(t, "calib")] + everyday.prompts("calib")
     texts += [it["prompt"] for name in EVAL_SETS for it in eval_set(name)]
     ids = encode_all(texts)
-    held = {AnswerStore(None, model + arithmetic).key(p, cap) for p in ids for arithmetic in ("", "+q8") for cap in ANSWER_CAPS}
-    return [r["tokens"] for k, r in store.rows.items() if r["source"] != "greedy" and k not in held]
+    return {AnswerStore(None, model + arithmetic).key(p, cap) for p in ids for arithmetic in ("", "+q8") for cap in ANSWER_CAPS}

@@ -213,6 +213,100 @@ MORE_TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 
+# a third set, composed after the second (the earlier instructions keep their places and splits)
+THIRD_TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "advice": (
+        ("What would you do about {x}?", "I could use some help with {x}.", "Which habits help with {x}?",
+         "How should I think about {x}?", "Share a few pointers on {x}.", "What is the first step in {x}?"),
+        ("finding a good dentist", "paying off a credit card", "writing thank-you notes", "keeping a bike in good shape",
+         "getting a toddler to eat vegetables", "choosing a running shoe", "sharing a kitchen with roommates",
+         "returning to work after parental leave", "picking a college major", "living with a partner for the first time",
+         "asking a neighbor to turn the music down", "making a long flight comfortable", "organizing family photos",
+         "keeping a car clean", "learning to cook rice properly", "cutting down on coffee", "saving for a first home",
+         "staying warm in a drafty house", "preparing a child for a new school", "lending money to a friend",
+         "writing a complaint letter", "getting through a long winter", "meeting a partner's parents", "renting a first apartment",
+         "dealing with a breakup", "keeping a garden free of weeds", "choosing a gym", "planning meals for the week"),
+    ),
+    "explanation": (
+        ("Could you break down {x} for me?", "What should everyone know about {x}?", "Explain {x} like I'm twelve.",
+         "Tell me how {x} works, briefly.", "What's the main idea behind {x}?", "Summarize {x} in one paragraph."),
+        ("a power grid", "the water table", "a trade deficit", "a hurricane", "a search engine", "composting",
+         "a pension", "the human heart", "an election primary", "erosion", "how a refrigerator keeps food cold",
+         "a leap year", "a cover letter's purpose", "dark matter", "a spreadsheet formula", "how soap cleans",
+         "the Richter scale", "a minimum wage", "how a compass works", "bird migration", "a credit union",
+         "the northern lights", "how noise-cancelling headphones work", "an allergy", "a wind turbine", "a coral reef",
+         "how a thermostat works", "a tax refund"),
+    ),
+    "creative": (
+        ("Write a short scene about {x}.", "Write a two-stanza poem about {x}.", "Write a fable about {x}.",
+         "Write a very short mystery about {x}.", "Write a cheerful poem about {x}.", "Write a sad little story about {x}."),
+        ("a forgotten birthday", "a snowman who wants to travel", "a bakery at dawn", "a penguin in the desert",
+         "two old friends meeting again", "a broken music box", "a farmer and a storm", "a library after closing time",
+         "a paper boat", "a mouse who wants to sing", "a secret garden door", "a bus driver's last shift",
+         "a homesick alien", "an unexpected letter", "a village festival", "a runaway balloon", "a fox and a crow",
+         "the last leaf on a tree", "a night train to the sea", "a grumpy cloud", "a goldfish's big dream",
+         "a lighthouse in the fog", "a pair of lost mittens", "a city pigeon", "an old photograph", "a sleepy volcano",
+         "a baker who cannot smell", "a tortoise on holiday"),
+    ),
+    "howto": (
+        ("Walk me through how to {x}.", "What's the easiest way to {x}?", "I'd like to {x}. What are the steps?",
+         "Can you teach me to {x}?", "Give me simple instructions to {x}.", "How long does it take to {x}, and how do I do it?"),
+        ("hang a picture frame", "bake banana bread", "change a flat tire", "unclog a sink", "sew a button",
+         "brew coffee with a French press", "back up my phone", "fold a fitted sheet", "paint a room", "make pancakes",
+         "clean a laptop keyboard", "plant a tree", "write a resume", "make a paper airplane", "descale a kettle",
+         "grow herbs on a windowsill", "cook pasta al dente", "wash a wool sweater", "set a table for guests",
+         "make a smoothie", "start composting at home", "build a campfire safely", "polish leather shoes", "make popcorn on the stove",
+         "wrap a present neatly", "learn to juggle", "make a grocery list that works", "clean windows without streaks"),
+    ),
+    "rewriting": (
+        ("Rewrite this to sound friendlier: {x}", "Make this clearer: {x}", "Fix the grammar in this sentence: {x}",
+         "Turn this into a polite request: {x}", "Shorten this: {x}", "Rewrite this in a formal tone: {x}"),
+        ("i cant come tomorow sorry", "The printer is broken again and nobody fixed it.", "Send me the files.",
+         "We regret to inform you that your application was unsuccessful.", "He have three brothers and one sister.",
+         "Stop leaving dishes in the sink.", "The meeting went long and we didn't decide anything.",
+         "Your account will be closed if you do not pay.", "me and my friends was at the beach", "Turn the music down.",
+         "The product arrived damaged and late.", "Its to cold to go outside today.", "I need the money back now.",
+         "We are happy to announce our new store opening.", "They wasn't ready for the test.", "Give me a call when you can.",
+         "The train is delayed by two hours due to repairs.", "Nobody answered the phone at the office.",
+         "I have went to that museum before.", "You forgot to sign the form again.", "The bill is due on Friday.",
+         "Our team didn't hit the target this month.", "Can you help me move on Saturday", "the park close at 8 pm"),
+    ),
+    "lists": (
+        ("What are some {x}?", "List ten {x}.", "Suggest a handful of {x}.", "Give me a short list of {x}.",
+         "Name five {x}.", "Help me come up with {x}."),
+        ("things to do in a small town", "ways to save energy at home", "breakfast ideas without eggs", "hobbies for retired people",
+         "questions to ask a new doctor", "ways to celebrate a coworker's birthday", "podcast topics", "indoor games for kids",
+         "names for a bakery", "ways to relax after work", "foods that keep well in the freezer", "reasons to learn to cook",
+         "cheap date ideas", "things to bring to a potluck", "ways to stay cool in summer", "family movie night snacks",
+         "tips for a tidy desk", "things to write in a birthday card", "ways to make a commute more pleasant",
+         "plants that attract butterflies", "questions for a job interview", "weekend projects for a garage",
+         "ways to stay in touch with family abroad", "ideas for a class field trip", "soups for a cold day", "ways to practice gratitude"),
+    ),
+    "smalltalk": (
+        ("{x}",),
+        ("Hi there!", "I can't decide what to eat for dinner.", "It's raining again.", "I adopted a kitten!",
+         "Do you ever get bored?", "Guess what, I passed my driving test!", "Tell me a fun fact about space.",
+         "I'm having a lazy day.", "What's your favorite animal?", "I burned my toast this morning.",
+         "Say something nice.", "Tell me a riddle.", "I just finished a really long book.", "It's so hot today.",
+         "I'm learning to knit.", "What should I watch tonight?", "My team won the match!", "Tell me a fun fact about bees.",
+         "I'm thinking about getting a haircut.", "Good night!", "I'm excited for the weekend.", "I miss my friends.",
+         "Tell me a tongue twister.", "What's the best pizza topping?"),
+    ),
+    "messages": (
+        ("Write a short message to {x}.", "Draft an email to {x}.", "Write a kind note to {x}.",
+         "Help me write a text to {x}.", "Write a polite reminder to {x}.", "Write a brief apology to {x}."),
+        ("my neighbor about a package I received by mistake", "a friend who just had a baby", "my coach saying I'll miss practice",
+         "a hotel asking about late check-in", "my manager requesting a day off", "a teacher thanking her for a great year",
+         "a friend who is moving away", "the library about an overdue book", "a new neighbor welcoming them",
+         "a client about a delayed delivery", "my cousin congratulating her on graduating", "a shop asking if an item is in stock",
+         "my roommate about the electricity bill", "a volunteer group offering to help", "a doctor's office to reschedule",
+         "an old teacher to say thanks", "my brother wishing him luck on his exam", "a colleague welcoming her back from leave",
+         "a landlord asking to paint the walls", "a friend asking to borrow a ladder", "my team about Friday's lunch",
+         "a seller asking about a used bike", "my parents about holiday plans", "a mentor asking for advice"),
+    ),
+}
+
+
 def _norm(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())
 
@@ -250,12 +344,15 @@ def eval_ngrams() -> set[tuple[str, ...]]:
 @functools.lru_cache(maxsize=1)
 def composed() -> tuple[tuple[str, str], ...]:
     """(kind, instruction) for every template and subject, evaluation overlaps dropped: the first set
-    in its seeded order, then the second (`MORE_TEMPLATES`) in its own, so that adding the second kept
-    every earlier instruction's place and split."""
+    in its seeded order, then the second (`MORE_TEMPLATES`) and the third (`THIRD_TEMPLATES`) each in
+    its own, so that adding a set kept every earlier instruction's place and split."""
     banned, out = eval_ngrams(), []
-    for seed, templates in ((SEED, TEMPLATES), (SEED + 1, MORE_TEMPLATES)):
+    for seed, templates in ((SEED, TEMPLATES), (SEED + 1, MORE_TEMPLATES), (SEED + 2, THIRD_TEMPLATES)):
         rows = [(kind, t.format(x=x)) for kind, (ts, subjects) in templates.items() for t in ts for x in subjects]
         random.Random(seed).shuffle(rows)
+        if templates is THIRD_TEMPLATES:  # an instruction an earlier set composed is not composed again
+            seen = {text for _, text in out}
+            rows = [r for r in rows if not (r[1] in seen or seen.add(r[1]))]
         out += [r for r in rows if not overlaps(r[1], banned)]
     return tuple(out)
 

@@ -194,6 +194,47 @@ class BatchDecoder:
                     kept_next.append(token)
             slots, nxt = kept, kept_next
 
+    @torch.inference_mode()
+    def read_back(self, prompts: list[list[int]], answers: list[list[int]],
+                  parents: list[int | None] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each prompt's given answer read back teacher-forced, in prompt order: (index, the final
+        hidden state before each answer token (n, H)). One block a sequence (a prompt and its answer
+        but the last token), so ~4x the tokens a second of decoding them; the states are the ones
+        decoding keeps (`run(keep_hidden=True)`), bit for bit, since a block's rows are each
+        computed alone. `parents` as in `run`: a prompt right after its parent continues the
+        parent prompt's cache and prefills only its own tokens."""
+        if len(answers) != len(prompts):
+            raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
+        parents = list(parents) if parents is not None else [None] * len(prompts)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            if not p or not a:
+                raise ValueError(f"prompt {i} or its answer is empty")
+            if len(p) + len(a) > self.max_positions:
+                raise ValueError(f"prompt {i} and its answer have {len(p) + len(a)} tokens; the model's context is {self.max_positions}")
+        if not prompts:
+            return
+        self._pools(1, max(len(p) + len(a) for p, a in zip(prompts, answers)))
+        roots = [prompts[i] for i in range(len(prompts)) if parents[i] is None]
+        shared = common_opening(roots) if len(roots) > 1 else 0
+        opening = None
+        if shared:
+            self._prefill(0, roots[0][:shared], 0)
+            opening = (self.keys[0, :, :, :shared].clone(), self.values[0, :, :, :shared].clone())
+        last = None
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            up = parents[i]
+            if up is not None and up == last and len(prompts[up]) < len(p) and p[: len(prompts[up])] == prompts[up]:
+                start = len(prompts[up])  # the slot still holds the parent's prompt
+            elif opening is not None and p[:shared] == roots[0][:shared]:
+                self.keys[0, :, :, :shared] = opening[0]
+                self.values[0, :, :, :shared] = opening[1]
+                start = shared
+            else:
+                start = 0
+            hidden, _ = self._prefill(0, (p + a[:-1])[start:], start)
+            last = i
+            yield i, hidden[len(p) - 1 - start :]
+
     def _pools(self, slots: int, capacity: int) -> None:
         """The key and value pools [slots, layers, kv_heads, capacity, D], grown (doubling, the
         entries kept) to hold `capacity` positions a slot."""

@@ -161,6 +161,28 @@ def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.T
     return h[len(prompt) - 1 : len(prompt) - 1 + n].float().cpu().contiguous(), torch.tensor(answer)
 
 
+def read_back(model, prompts: list[list[int]], answers: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`teacher_forced` for a batch of answers: on the engine's fused stack, one block a sequence
+    through `model.batch.BatchDecoder.read_back` (the states decoding keeps, bit for bit; a turn
+    right after the turn it extends continues its cache), else one transformers forward each."""
+    from entmtp.model import batch
+
+    if not batch.available(model):
+        return [teacher_forced(model, p, a) for p, a in zip(prompts, answers)]
+    parents = [None] + [k - 1 if len(prompts[k - 1]) < len(p) and p[: len(prompts[k - 1])] == prompts[k - 1] else None
+                        for k, p in enumerate(prompts[1:], 1)]
+    states = dict(batch.BatchDecoder(model, (), batch=1).read_back(prompts, answers, parents))
+    return [(states[k].float().cpu().contiguous(), torch.tensor(a)) for k, a in enumerate(answers)]
+
+
+def _stored(stores: list[AnswerStore], prompt: list[int], cap: int) -> list[int] | None:
+    for store in stores:
+        got = store.get(prompt, cap)
+        if got is not None:
+            return got
+    return None
+
+
 @torch.inference_mode()
 def prompt_states(model, prompt: list[int]) -> torch.Tensor:
     """Base hidden states of a prompt's tokens but the last: (P-1, H) float32 (Hydra++'s prefix input)."""
@@ -176,10 +198,11 @@ def corpus_plan(cfg: TrainConfig, split: str) -> list[tuple[str, str, int]]:
         return [(t, "self", cfg.heldout_prompts) for t in data.TASKS] + extra
     extra = [("code", "sharegpt", cfg.sharegpt_code_prompts)] if cfg.sharegpt_code_prompts else []
     extra += [("chat", "everyday", cfg.everyday_prompts)] if cfg.everyday_prompts else []
+    extra += [("chat", "turns", cfg.turn_prompts)] if cfg.turn_prompts else []
     return [(t, "self", n) for t, n in cfg.self_prompts] + extra + [(t, "ref", n) for t, n in cfg.ref_prompts]
 
 
-GENERATED = ("self", "sharegpt", "everyday")  # sources answered greedily by the base model; "ref" is read teacher-forced
+GENERATED = ("self", "sharegpt", "everyday", "turns")  # sources answered greedily by the base model; "ref" is read teacher-forced
 
 
 SORT_BLOCK = 64  # prompts sorted by length together, so a larger --self-prompts count keeps earlier batches
@@ -193,11 +216,28 @@ def _length_sorted_blocks(rows: list[tuple[str, str]], encode: Encode) -> list[t
     return out
 
 
-def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple[str, str]]:
+def prompt_text(prompt) -> str:
+    """A corpus prompt as text: a user message as it is, a conversation (`chat/turns`) as its JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(list(prompt), ensure_ascii=False)
+
+
+def prompt_of(text: str):
+    """`prompt_text` undone: the conversation a JSON text holds, else the message itself."""
+    if text.startswith('[{"role"'):
+        try:
+            return tuple(json.loads(text))
+        except json.JSONDecodeError:
+            pass
+    return text
+
+
+def _select(task: str, split: str, source: str, n: int, encode: Encode, max_prompt: int) -> list[tuple]:
     """The first `n` (prompt, reference) of a split whose prompt fits `max_prompt` tokens."""
     if split == "eval":
         raise TrainError("training and held-out corpora never read the eval split")
-    if source == "sharegpt":  # Python questions from chat's split, answered by the base model
+    if source == "turns":  # later turns in their conversation's context (grow-answers' chat/turns)
+        rows = [(p, "") for p in data.chat_turns(split)]
+    elif source == "sharegpt":  # Python questions from chat's split, answered by the base model
         rows = [(p, "") for p, _ in data.sharegpt_code_pairs(split)]
     elif source == "everyday":  # composed everyday requests, answered by the base model
         rows = [(p, "") for p in everyday.prompts(split)]
@@ -224,13 +264,14 @@ def build_corpus(
     work: Path,
     split: str = "train",
     progress: bool = True,
-    answers: AnswerStore | None = None,
+    answers: AnswerStore | list[AnswerStore] | None = None,
 ) -> Corpus:
     """Build (or resume) the corpus of `split` under `work/corpus/<split>/`, one shard per batch.
 
-    Generated answers come from `answers` when it holds every prompt of a batch, and new ones are
-    added to it.
+    Generated answers come from the `answers` stores (the first that holds a prompt's) when they
+    hold every prompt of a batch, and new ones are added to the first store.
     """
+    stores = [] if answers is None else list(answers) if isinstance(answers, (list, tuple)) else [answers]
     folder = work / "corpus" / split
     folder.mkdir(parents=True, exist_ok=True)
     shape = {"answer_tokens": cfg.answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
@@ -242,13 +283,13 @@ def build_corpus(
     for task, source, n in corpus_plan(cfg, split):
         rows = _select(task, split, source, n, encode, cfg.max_prompt_tokens)
         generated = source in GENERATED
-        if generated:  # similar lengths in a batch: less padding
+        if generated and source != "turns":  # similar lengths in a batch: less padding (turns keep their order)
             rows = _length_sorted_blocks(rows, encode)
         size = cfg.gen_batch if generated else cfg.ref_batch
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
         bar = tqdm(batches, desc=f"corpus {split} {task}/{source}", unit="batch", disable=not progress)
         for k, batch in enumerate(bar):
-            texts = [p for p, _ in batch]
+            texts = [prompt_text(p) for p, _ in batch]
             digest = hashlib.sha1("\0".join(texts).encode()).hexdigest()[:10]  # a shard is its prompts
             shard = folder / f"{task}-{source}-{k:04d}-{digest}.pt"
             if shard.exists():
@@ -256,19 +297,19 @@ def build_corpus(
             else:
                 if generated:
                     ids = [encode(p) for p, _ in batch]
-                    known = [answers.get(i, cfg.answer_tokens) if answers is not None else None for i in ids]
+                    known = [_stored(stores, i, cfg.answer_tokens) for i in ids]
                     if all(a is not None for a in known):  # stored answers: read back teacher-forced
-                        pairs = [teacher_forced(model, i, a) for i, a in zip(ids, known)]
+                        pairs = read_back(model, ids, known)
                     else:
                         pairs = generate_batch(model, ids, cfg.answer_tokens, eos, pad)
-                        if answers is not None:
-                            answers.add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
+                        if stores:
+                            stores[0].add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
                 else:
                     pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
                 part = {"prompts": texts, "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
                 _atomic_save(part, shard)
             if cfg.arch == "prefix-mlp" and "prompt_hidden" not in part:  # added to older shards in place
-                part["prompt_hidden"] = [prompt_states(model, encode(p)) for p in part["prompts"]]
+                part["prompt_hidden"] = [prompt_states(model, encode(prompt_of(p))) for p in part["prompts"]]
                 _atomic_save(part, shard)
             keep = [i for i, t in enumerate(part["tokens"]) if len(t) >= 2]
             corpus.extend(
@@ -622,7 +663,7 @@ def train_and_save(
     provenance: dict[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[dict], None] | None = None,
-    answers: AnswerStore | None = None,
+    answers: AnswerStore | list[AnswerStore] | None = None,
     corpus_only: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Corpus -> draft vocabulary -> train each kind -> held-out accuracy -> save (bfloat16).
@@ -651,7 +692,7 @@ def train_and_save(
         else:
             if fresh_vocab is None:
                 fresh_vocab = draft_vocab(corpus, cfg.draft_vocab, lm.weight.shape[0],
-                                          [encode(p) for p in dict.fromkeys(corpus.prompts)])
+                                          [encode(prompt_of(p)) for p in dict.fromkeys(corpus.prompts)])
             vocab = fresh_vocab
             heads.set_draft_vocab(vocab)
         flat.add_teacher(lm.weight.detach().index_select(0, vocab.to(lm.weight.device)).cpu(), cfg.teacher_topk, cfg.temperature)

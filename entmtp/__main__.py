@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig,
+from entmtp.config import (DEFAULT_MODEL, EVAL_HEADS_PROMPTS, EVAL_SETS, CUDA_GRAPHS, KERNELS, METHODS, TASKS, BankBuildConfig, BenchConfig, CalibrateConfig, GenerationConfig, GrowAnswersConfig,
                      KernelBenchConfig, ModelConfig, TrainConfig)
 
 EXIT_USAGE = 2
@@ -192,10 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--sources", type=source_counts, default=None, metavar="SOURCE[=N],...",
                     help="where prompts come from, each with an optional limit (default: every source, no limit: "
                          "chat/turns, chat/self, math/self, code/sharegpt, chat/everyday)")
-    ga.add_argument("--batch", type=positive_int, default=32, metavar="N", help="sequences decoded together (default: %(default)s)")
-    ga.add_argument("--answer-tokens", type=positive_int, default=t.answer_tokens,
+    gc = GrowAnswersConfig()
+    ga.add_argument("--batch", type=positive_int, default=gc.batch, metavar="N", help="sequences decoded together (default: %(default)s)")
+    ga.add_argument("--answer-tokens", type=positive_int, default=gc.answer_tokens,
                     help="answer cap (default: %(default)s, train-heads' training answers)")
-    ga.add_argument("--max-prompt-tokens", type=positive_int, default=1024,
+    ga.add_argument("--max-prompt-tokens", type=positive_int, default=gc.max_prompt_tokens,
                     help="longer prompts are skipped (default: %(default)s)")
     ga.add_argument("--minutes", type=positive_float, default=None, help="stop after this long (the answers so far are kept)")
     ga.add_argument("--store", default=None, metavar="FILE",
@@ -447,8 +448,8 @@ def cmd_grow_answers(args: argparse.Namespace) -> None:
     path = Path(args.store) if args.store else answers.corpus_path(rt.name)
     store = AnswerStore(path, rt.name + rt.arithmetic)
     sources = args.sources or {s: None for s in answers.SOURCES}
-    summary = answers.grow(rt, sources, store, batch=args.batch, answer_tokens=args.answer_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, minutes=args.minutes)
+    cfg = GrowAnswersConfig(batch=args.batch, answer_tokens=args.answer_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    summary = answers.grow(rt, sources, store, cfg, minutes=args.minutes)
     # never a calibration or evaluation prompt's answer (a split can move when a prompt source grows)
     summary["dropped_held_out"] = store.drop(held_out_keys(rt.name, rt.encode_all))
     store.compact()

@@ -177,3 +177,13 @@ class TrainConfig:
     checkpoint_every: int = 50
     init: str = ""  # a heads folder (holding <kind>/) to train further instead of fresh heads; its draft vocabulary is kept unless new_vocab
     new_vocab: bool = False  # with init: choose the draft vocabulary afresh from this corpus (shared LM head rows: no weights change)
+
+
+@dataclass(frozen=True)
+class GrowAnswersConfig:
+    """`grow-answers`: the heads' corpus answered in batches (entmtp.tools.answers)."""
+
+    batch: int = 32  # sequences decoded together
+    answer_tokens: int = TrainConfig.answer_tokens  # answer cap: train-heads', so its corpus finds the answers
+    max_prompt_tokens: int = 1024  # longer prompts (a conversation's context) are skipped
+    flush_every: int = 64  # answers a store append

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from entmtp.config import GrowAnswersConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
 from entmtp.data.answers import ANSWERS_DIR, AnswerStore, repo_store
 
 SOURCES = ("chat/turns", "chat/self", "math/self", "code/sharegpt", "chat/everyday")
-FLUSH_EVERY = 64  # answers a store append
 
 
 class AnswersError(ValueError):
@@ -109,9 +109,10 @@ def _encoded(texts: list, encode_all, chunk: int = 256):
         yield from encode_all(texts[i : i + chunk])
 
 
-def grow(rt, sources: dict[str, int | None], store: AnswerStore, batch: int = 32, answer_tokens: int = 160,
-         max_prompt_tokens: int = 1024, minutes: float | None = None, progress: bool = True) -> dict:
+def grow(rt, sources: dict[str, int | None], store: AnswerStore, cfg: GrowAnswersConfig = GrowAnswersConfig(),
+         minutes: float | None = None, progress: bool = True) -> dict:
     """Answer the planned prompts, appending to `store`; -> a summary (answers, tokens, seconds, per source)."""
+    batch, answer_tokens, max_prompt_tokens = cfg.batch, cfg.answer_tokens, cfg.max_prompt_tokens
     from tqdm import tqdm
 
     from entmtp.model.batch import BatchDecoder
@@ -142,7 +143,7 @@ def grow(rt, sources: dict[str, int | None], store: AnswerStore, batch: int = 32
             per_source[source]["answers"] += 1
             per_source[source]["tokens"] += len(ans.tokens)
             n += 1
-            if n % FLUSH_EVERY == 0:
+            if n % cfg.flush_every == 0:
                 flush()
             if deadline is not None and time.perf_counter() > deadline:
                 stopped = "minutes"

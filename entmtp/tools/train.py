@@ -374,9 +374,16 @@ class Flat:
 
     @classmethod
     def of(cls, corpus: Corpus) -> "Flat":
+        """The corpus flattened. Its answers' states become views of the flat tensor, so a corpus of
+        millions of tokens is held once (3.2M tokens: 7.4 GB of float32 states), not twice."""
         if not len(corpus):
             raise TrainError("the corpus is empty")
-        hidden = torch.cat(corpus.hidden).float()
+        hidden = torch.empty(sum(len(h) for h in corpus.hidden), corpus.hidden[0].shape[-1])  # (N, H) float32
+        at = 0
+        for i, h in enumerate(corpus.hidden):
+            hidden[at : at + len(h)] = h
+            corpus.hidden[i] = hidden[at : at + len(h)]
+            at += len(h)
         tokens = torch.cat(corpus.tokens).long()
         remaining = torch.cat([torch.arange(len(t) - 1, -1, -1) for t in corpus.tokens])
         starts = torch.tensor([0] + [len(t) for t in corpus.tokens]).cumsum(0)

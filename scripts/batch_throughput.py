@@ -7,7 +7,10 @@ both.
 Prompts: the chat task's training split (ShareGPT openings; never evaluation or calibration
 prompts), taken in train-heads' order (length-sorted blocks); each side answers all of them with
 up to `--tokens` greedy tokens, stopping at EOS. Reports tokens a second of each, the ratio, and
-that each side's two rounds gave the same answers. Writes the JSON record to the path given.
+that each side's two rounds gave the same answers. Then, on the padded side's answers, train-heads'
+read-back of stored answers on its teacher, ABBA: one transformers forward an answer against one
+block a sequence on the fused stack (`train.read_back`), in prompt and answer tokens a second, with
+the largest difference between their states. Writes the JSON record to the path given.
 
     PYTHONPATH=. python scripts/batch_throughput.py [--prompts 64] [--batch 32] [--tokens 160] [out.json]
 """
@@ -74,13 +77,36 @@ def main() -> None:
                 "tokens_per_s": round(tokens / (s1 + s2), 1), "rounds_agree": a1 == a2}
 
     old_r, new_r = side_record("padded_batch", args.old_kernels), side_record("batch_decoder", args.kernels)
+
+    # train-heads reading stored answers back teacher-forced on its float32 teacher: one transformers
+    # forward an answer (before) against one block a sequence on the fused stack (`train.read_back`)
+    answers = rounds["padded_batch"][0][1]
+
+    def forward_each() -> list[torch.Tensor]:
+        return [train.teacher_forced(old_rt.model, p, a)[0] for p, a in zip(ids, answers)]
+
+    def blocks() -> list[torch.Tensor]:
+        return [h for h, _ in train.read_back(old_rt.model, ids, answers)]
+
+    reads = {"teacher_forced": [], "read_back": []}
+    for name, side in (("teacher_forced", forward_each), ("read_back", blocks), ("read_back", blocks), ("teacher_forced", forward_each)):
+        t0 = time.perf_counter()
+        states = side()
+        reads[name].append((time.perf_counter() - t0, states))
+        print(f"{name}: {sum(map(len, answers))} answer tokens in {reads[name][-1][0]:.1f} s", file=sys.stderr)
+    read_tokens = 2 * (sum(map(len, answers)) + sum(map(len, ids)))  # prompt and answer tokens, both rounds
+    read = {name: {"seconds": [round(r[0], 2) for r in reads[name]],
+                   "tokens_per_s": round(read_tokens / sum(r[0] for r in reads[name]), 1)} for name in reads}
+    read["speedup"] = round(read["read_back"]["tokens_per_s"] / read["teacher_forced"]["tokens_per_s"], 2)
+    read["max_abs_difference"] = max(float((a - b).abs().max()) for a, b in zip(reads["teacher_forced"][0][1], reads["read_back"][0][1]))
     record = {"probe": "answer throughput: train.padded_batch (train-heads before batched decoding) against "
                        "model.batch.BatchDecoder (generate --batch), ABBA in one run",
               "date": datetime.date.today().isoformat(), "hardware": hardware(), "served": new_rt.arithmetic,
               "prompts": len(ids), "prompt_tokens": [len(ids[0]), len(ids[-1])], "batch": args.batch,
               "max_new_tokens": args.tokens, "threads": torch.get_num_threads(),
               "padded_batch": old_r, "batch_decoder": new_r,
-              "speedup": round(new_r["tokens_per_s"] / old_r["tokens_per_s"], 2)}
+              "speedup": round(new_r["tokens_per_s"] / old_r["tokens_per_s"], 2),
+              "read_back": {"kernels": args.old_kernels, "tokens": "prompt and answer tokens a second", **read}}
     print(json.dumps(record))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -2,13 +2,17 @@
 
 Up to `batch` sequences advance one token a step through the engine's own layer stack
 (`Stack.forward_rows` in `csrc/layers.cpp`): the projections read their weights once for all rows,
-each row attends its own keys and values, a slot of two pools made once a run. A finished sequence
-(EOS or its budget) leaves at once and the next prompt takes its slot (its prompt prefilled as the
-engine prefills one), so the batch stays full. The prompts' common opening (a chat template's
-system turn) is prefilled once and copied into each slot: a prefill's rows and each query's
-attention are computed alone, in the same order whatever the block, so this gives the same bits. The kernels compute each row alone, so a batched answer is, token for token and bit for bit,
-the answer the engine's `ar` decode gives that prompt alone (`tests/test_batch.py`), which is the
-served model's `generate`.
+and each row attends its own keys and values, a slot of two pools made once a run. A finished
+sequence (EOS or its budget) leaves at once and the next prompt takes its slot (prefilled as the
+engine prefills a prompt), so the batch stays full. The kernels compute each row alone, so a
+batched answer is, token for token and bit for bit, the answer the engine's `ar` decode gives that
+prompt alone (`tests/test_batch.py`), which is the served model's `generate`.
+
+Prefill is shared where the prompts allow, with the same bits, because a block's rows and each
+query's keys are computed in the same order whatever the block: the prompts' common opening (the
+chat template's system turn) is prefilled once and copied into each slot, and a prompt given a
+parent (a conversation's previous turn, which it begins with) continues that turn's slot.
+`read_back` reads given answers back teacher-forced, one block a sequence.
 
 It applies where the engine runs the fused stack (a Llama served from GGUF blocks on a CPU: the
 default model); `available(model)` says whether it does.
@@ -131,11 +135,7 @@ class BatchDecoder:
             return
         self._pools(min(self.batch, len(prompts)), 256)
         roots = [i for i in range(len(prompts)) if parents[i] is None]
-        shared = common_opening([prompts[i] for i in roots])
-        opening = None
-        if shared:  # prefilled once in slot 0, copied into each slot as it fills
-            self._prefill(0, prompts[roots[0]][:shared], 0)
-            opening = (self.keys[0, :, :, :shared].clone(), self.values[0, :, :, :shared].clone())
+        opening = self._opening([prompts[i] for i in roots])
         ready = roots[::-1]  # prompts whose parent (if any) has answered, next last
         pending: dict[int, int] = {}  # slot -> the child that continues its parent's cache there
         free = list(range(self.keys.shape[0]))[::-1]
@@ -162,10 +162,8 @@ class BatchDecoder:
                 free.remove(s)
                 slot = _Slot(i, s, len(ids), min(max_new_tokens, self.max_positions - len(ids)))
                 self._pools(self.keys.shape[0], len(ids) + slot.budget)
-                if not start and opening is not None:
-                    self.keys[s, :, :, :shared] = opening[0]
-                    self.values[s, :, :, :shared] = opening[1]
-                    start = shared
+                if not start:
+                    start = self._open(s, opening)
                 hidden, logits = self._prefill(s, ids[start:], start)
                 token = int(kernels.argmax_rows(logits[-1:])[0])
                 done = self._take(slot, token, hidden[-1])
@@ -214,26 +212,36 @@ class BatchDecoder:
         if not prompts:
             return
         self._pools(1, max(len(p) + len(a) for p, a in zip(prompts, answers)))
-        roots = [prompts[i] for i in range(len(prompts)) if parents[i] is None]
-        shared = common_opening(roots) if len(roots) > 1 else 0
-        opening = None
-        if shared:
-            self._prefill(0, roots[0][:shared], 0)
-            opening = (self.keys[0, :, :, :shared].clone(), self.values[0, :, :, :shared].clone())
+        opening = self._opening([prompts[i] for i in range(len(prompts)) if parents[i] is None])
         last = None
         for i, (p, a) in enumerate(zip(prompts, answers)):
             up = parents[i]
             if up is not None and up == last and len(prompts[up]) < len(p) and p[: len(prompts[up])] == prompts[up]:
                 start = len(prompts[up])  # the slot still holds the parent's prompt
-            elif opening is not None and p[:shared] == roots[0][:shared]:
-                self.keys[0, :, :, :shared] = opening[0]
-                self.values[0, :, :, :shared] = opening[1]
-                start = shared
+            elif opening is not None and p[: len(opening[0])] == opening[0]:
+                start = self._open(0, opening)
             else:
                 start = 0
             hidden, _ = self._prefill(0, (p + a[:-1])[start:], start)
             last = i
             yield i, hidden[len(p) - 1 - start :]
+
+    def _opening(self, prompts: list[list[int]]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """The prompts' common opening prefilled once (in slot 0): (its tokens, keys, values), or None."""
+        shared = common_opening(prompts)
+        if not shared:
+            return None
+        self._prefill(0, prompts[0][:shared], 0)
+        return prompts[0][:shared], self.keys[0, :, :, :shared].clone(), self.values[0, :, :, :shared].clone()
+
+    def _open(self, slot: int, opening) -> int:
+        """Copy the opening into `slot`; -> where its prompt's own prefill starts."""
+        if opening is None:
+            return 0
+        tokens, keys, values = opening
+        self.keys[slot, :, :, : len(tokens)] = keys
+        self.values[slot, :, :, : len(tokens)] = values
+        return len(tokens)
 
     def _pools(self, slots: int, capacity: int) -> None:
         """The key and value pools [slots, layers, kv_heads, capacity, D], grown (doubling, the

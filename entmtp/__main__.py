@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--turns", type=non_negative_int, default=t.turn_prompts, metavar="N",
                     help="ShareGPT's later human turns, each in its conversation's context, answered by the base model, as chat "
                          "(grow-answers' chat/turns; default: %(default)s)")
+    tr.add_argument("--max-prompt-tokens", type=positive_int, default=t.max_prompt_tokens,
+                    help="longer prompts are left out of the corpus (default: %(default)s; grow-answers answers "
+                         f"contexts up to {GrowAnswersConfig().max_prompt_tokens})")
     tr.add_argument("--init", default="", metavar="DIR",
                     help="train further the heads in DIR/<kind>/ (our format; their draft vocabulary is kept unless "
                          "--new-vocab; Hydra mlp heads may grow deeper with --num-layers: new blocks start as the identity)")
@@ -488,7 +491,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
-        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, turn_prompts=args.turns, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
+        seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, turn_prompts=args.turns, max_prompt_tokens=args.max_prompt_tokens, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
         new_vocab=args.new_vocab, feature_dropout=args.feature_dropout,
     )
     kinds = _kinds(args.kind)

@@ -37,6 +37,17 @@ from entmtp.runtime.runtime import load_runtime  # noqa: E402
 from entmtp.tools import train  # noqa: E402
 
 
+def abba(a_name: str, a, b_name: str, b) -> dict[str, list[tuple[float, list]]]:
+    """a, b, b, a, each timed: {name: [(seconds, what it returned), (…)]}, so a drift falls on both."""
+    rounds: dict[str, list[tuple[float, list]]] = {a_name: [], b_name: []}
+    for name, side in ((a_name, a), (b_name, b), (b_name, b), (a_name, a)):
+        t0 = time.perf_counter()
+        out = side()
+        rounds[name].append((time.perf_counter() - t0, out))
+        print(f"{name}: {rounds[name][-1][0]:.1f} s", file=sys.stderr)
+    return rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
@@ -63,12 +74,7 @@ def main() -> None:
         got = {a.index: a.tokens for a in BatchDecoder(new_rt.model, eos, batch=args.batch).run(ids, args.tokens)}
         return [got[i] for i in range(len(ids))]
 
-    rounds = {"padded_batch": [], "batch_decoder": []}
-    for name, side in (("padded_batch", old), ("batch_decoder", new), ("batch_decoder", new), ("padded_batch", old)):
-        t0 = time.perf_counter()
-        answers = side()
-        rounds[name].append((time.perf_counter() - t0, answers))
-        print(f"{name}: {sum(map(len, answers))} tokens in {rounds[name][-1][0]:.1f} s", file=sys.stderr)
+    rounds = abba("padded_batch", old, "batch_decoder", new)
 
     def side_record(name: str, kernels: str) -> dict:
         (s1, a1), (s2, a2) = rounds[name]
@@ -88,12 +94,7 @@ def main() -> None:
     def blocks() -> list[torch.Tensor]:
         return [h for h, _ in train.read_back(old_rt.model, ids, answers)]
 
-    reads = {"teacher_forced": [], "read_back": []}
-    for name, side in (("teacher_forced", forward_each), ("read_back", blocks), ("read_back", blocks), ("teacher_forced", forward_each)):
-        t0 = time.perf_counter()
-        states = side()
-        reads[name].append((time.perf_counter() - t0, states))
-        print(f"{name}: {sum(map(len, answers))} answer tokens in {reads[name][-1][0]:.1f} s", file=sys.stderr)
+    reads = abba("teacher_forced", forward_each, "read_back", blocks)
     read_tokens = 2 * (sum(map(len, answers)) + sum(map(len, ids)))  # prompt and answer tokens, both rounds
     read = {name: {"seconds": [round(r[0], 2) for r in reads[name]],
                    "tokens_per_s": round(read_tokens / sum(r[0] for r in reads[name]), 1)} for name in reads}

@@ -75,6 +75,22 @@ class _PoolLayer:
 MIN_SHARED = 8  # a common opening shorter than this is prefilled with each prompt
 
 
+def extends(prompt: list[int], parent: list[int]) -> bool:
+    """Whether `prompt` begins with the whole of `parent` and goes on (a conversation's later turn)."""
+    return len(parent) < len(prompt) and prompt[: len(parent)] == parent
+
+
+def _parents(prompts: list[list[int]], parents: list[int | None] | None) -> list[int | None]:
+    """`parents` checked (each an earlier prompt its child extends), or none for every prompt."""
+    parents = list(parents) if parents is not None else [None] * len(prompts)
+    if len(parents) != len(prompts):
+        raise ValueError(f"{len(parents)} parents for {len(prompts)} prompts")
+    for i, up in enumerate(parents):
+        if up is not None and not (0 <= up < i and extends(prompts[i], prompts[up])):
+            raise ValueError(f"prompt {i} does not extend its parent {up} (an earlier, shorter prompt it begins with)")
+    return parents
+
+
 def common_opening(prompts: list[list[int]]) -> int:
     """How many opening tokens every prompt shares, leaving each at least one of its own (0 when
     under MIN_SHARED or for a single prompt)."""
@@ -121,16 +137,11 @@ class BatchDecoder:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) >= self.max_positions:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_positions}")
-        parents = list(parents) if parents is not None else [None] * len(prompts)
-        if len(parents) != len(prompts):
-            raise ValueError(f"{len(parents)} parents for {len(prompts)} prompts")
+        parents = _parents(prompts, parents)
         children: dict[int, list[int]] = {}
         for i, up in enumerate(parents):
-            if up is None:
-                continue
-            if not 0 <= up < i or len(prompts[up]) >= len(prompts[i]) or prompts[i][: len(prompts[up])] != prompts[up]:
-                raise ValueError(f"prompt {i} does not extend its parent {up} (an earlier, shorter prompt it begins with)")
-            children.setdefault(up, []).append(i)
+            if up is not None:
+                children.setdefault(up, []).append(i)
         if not prompts:
             return
         self._pools(min(self.batch, len(prompts)), 256)
@@ -200,10 +211,10 @@ class BatchDecoder:
         but the last token), so ~4x the tokens a second of decoding them; the states are the ones
         decoding keeps (`run(keep_hidden=True)`), bit for bit, since a block's rows are each
         computed alone. `parents` as in `run`: a prompt right after its parent continues the
-        parent prompt's cache and prefills only its own tokens."""
+        parent prompt's cache and prefills only its own tokens (elsewhere it prefills whole)."""
         if len(answers) != len(prompts):
             raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
-        parents = list(parents) if parents is not None else [None] * len(prompts)
+        parents = _parents(prompts, parents)
         for i, (p, a) in enumerate(zip(prompts, answers)):
             if not p or not a:
                 raise ValueError(f"prompt {i} or its answer is empty")
@@ -216,8 +227,8 @@ class BatchDecoder:
         last = None
         for i, (p, a) in enumerate(zip(prompts, answers)):
             up = parents[i]
-            if up is not None and up == last and len(prompts[up]) < len(p) and p[: len(prompts[up])] == prompts[up]:
-                start = len(prompts[up])  # the slot still holds the parent's prompt
+            if up is not None and up == last:  # the slot still holds the parent's prompt
+                start = len(prompts[up])
             elif opening is not None and p[: len(opening[0])] == opening[0]:
                 start = self._open(0, opening)
             else:

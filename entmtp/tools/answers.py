@@ -73,14 +73,17 @@ class Plan:
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def plan(sources: dict[str, int | None], encode_all, stores: list[AnswerStore], answer_tokens: int, max_prompt_tokens: int,
-         split: str = "train", arithmetics: tuple[str, ...] = ("", "+q8")) -> Plan:
+def plan(sources: dict[str, int | None], model: str, encode_all, stores: list[AnswerStore], answer_tokens: int,
+         max_prompt_tokens: int, split: str = "train", arithmetics: tuple[str, ...] = ("", "+q8")) -> Plan:
     """Of each source's first `limit` prompts that fit `max_prompt_tokens` (all where None), those no
-    store answers yet at `answer_tokens` in either arithmetic (float32 or Q8 inputs: the same
-    prompt's answers part only after a few dozen tokens), in source order: a rerun plans only what
-    is missing."""
+    store answers yet at `answer_tokens` in either arithmetic of `model` (float32 or Q8 inputs: the
+    same prompt's answers part only after a few dozen tokens), in source order: a rerun plans only
+    what is missing. A parent is kept where its child's tokens extend its own (the conversation's
+    turns may tokenise apart at their seam: the child then prefills whole)."""
+    from entmtp.model.batch import extends
+
     out = Plan()
-    keys = [AnswerStore(None, stores[0].model.split("+")[0] + a) for a in arithmetics] if stores else []
+    keys = [AnswerStore(None, model + a) for a in arithmetics]
     for source, limit in sources.items():
         texts, parents = source_prompts(source, split)
         kept: dict[int, int] = {}  # index in the source -> index in the plan
@@ -97,7 +100,8 @@ def plan(sources: dict[str, int | None], encode_all, stores: list[AnswerStore], 
                 continue
             kept[k] = len(out.ids)
             out.ids.append(p)
-            out.parents.append(kept.get(up) if up is not None else None)
+            parent = kept.get(up) if up is not None else None
+            out.parents.append(parent if parent is not None and extends(p, out.ids[parent]) else None)
             out.sources.append(source)
         out.skipped[source] = {"too_long": long, "stored": stored}
     return out
@@ -112,15 +116,15 @@ def _encoded(texts: list, encode_all, chunk: int = 256):
 def grow(rt, sources: dict[str, int | None], store: AnswerStore, cfg: GrowAnswersConfig = GrowAnswersConfig(),
          minutes: float | None = None, progress: bool = True) -> dict:
     """Answer the planned prompts, appending to `store`; -> a summary (answers, tokens, seconds, per source)."""
-    batch, answer_tokens, max_prompt_tokens = cfg.batch, cfg.answer_tokens, cfg.max_prompt_tokens
     from tqdm import tqdm
 
     from entmtp.model.batch import BatchDecoder
 
+    answer_tokens = cfg.answer_tokens
     known = [store] + [s for s in (repo_store(rt.name, rt.arithmetic),) if s is not None]
-    todo = plan(sources, rt.encode_all, known, answer_tokens, max_prompt_tokens)
-    dec = BatchDecoder(rt.model, rt.engine.eos, batch=batch)
-    bar = tqdm(total=len(todo.ids) * answer_tokens, desc=f"grow-answers --batch {batch}", unit="tok", disable=not progress,
+    todo = plan(sources, rt.name, rt.encode_all, known, answer_tokens, cfg.max_prompt_tokens)
+    dec = BatchDecoder(rt.model, rt.engine.eos, batch=cfg.batch)
+    bar = tqdm(total=len(todo.ids) * answer_tokens, desc=f"grow-answers --batch {cfg.batch}", unit="tok", disable=not progress,
                smoothing=0.05, mininterval=2.0)
     pending: dict[str, list[tuple[list[int], list[int]]]] = {}
     per_source = {s: {"answers": 0, "tokens": 0} for s in sources}
@@ -155,7 +159,7 @@ def grow(rt, sources: dict[str, int | None], store: AnswerStore, cfg: GrowAnswer
     tokens = sum(v["tokens"] for v in per_source.values())
     return {"answers": n, "tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
             "planned": len(todo.ids), "stopped": stopped, "by_source": per_source, "skipped": todo.skipped,
-            "batch": batch, "answer_tokens": answer_tokens, "max_prompt_tokens": max_prompt_tokens, "served": rt.arithmetic}
+            "batch": cfg.batch, "answer_tokens": answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens, "served": rt.arithmetic}
 
 
 def describe(store: AnswerStore) -> dict:

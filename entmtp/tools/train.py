@@ -169,8 +169,7 @@ def read_back(model, prompts: list[list[int]], answers: list[list[int]]) -> list
 
     if not batch.available(model):
         return [teacher_forced(model, p, a) for p, a in zip(prompts, answers)]
-    parents = [None] + [k - 1 if len(prompts[k - 1]) < len(p) and p[: len(prompts[k - 1])] == prompts[k - 1] else None
-                        for k, p in enumerate(prompts[1:], 1)]
+    parents = [None] + [k - 1 if batch.extends(p, prompts[k - 1]) else None for k, p in enumerate(prompts[1:], 1)]
     states = dict(batch.BatchDecoder(model, (), batch=1).read_back(prompts, answers, parents))
     return [(states[k].float().cpu().contiguous(), torch.tensor(a)) for k, a in enumerate(answers)]
 

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--new-vocab; Hydra mlp heads may grow deeper with --num-layers: new blocks start as the identity)")
     tr.add_argument("--new-vocab", action="store_true",
                     help="with --init: choose the --draft-vocab most frequent answer tokens of this corpus afresh")
+    tr.add_argument("--teacher", choices=["packed", "q8"], default=t.teacher,
+                    help="arithmetic of the states the heads learn from: packed (float32) or q8 (the served model's, "
+                         "~3x faster to read back; answers it lacks are generated on the served kernels; default: %(default)s)")
     tr.add_argument("--corpus-only", action="store_true", help="build the corpus (and store new answers), train nothing")
     tr.add_argument("--answers", default=None, metavar="FILE",
                     help="stored greedy answers, read and extended (default: data/answers/<model>.jsonl.gz for the "
@@ -492,7 +495,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         self_prompts=args.self_prompts, ref_prompts=args.ref_prompts, steps=args.steps, batch_tokens=args.batch_tokens,
         lr=args.lr, num_layers=args.num_layers, draft_vocab=args.draft_vocab, soft_targets=not args.hard_targets,
         seed=args.seed, sharegpt_code_prompts=args.sharegpt_code, everyday_prompts=args.everyday, turn_prompts=args.turns, max_prompt_tokens=args.max_prompt_tokens, gen_batch=args.gen_batch, init=args.init, arch=args.arch,
-        new_vocab=args.new_vocab, feature_dropout=args.feature_dropout,
+        new_vocab=args.new_vocab, feature_dropout=args.feature_dropout, teacher=args.teacher,
     )
     kinds = _kinds(args.kind)
     if args.arch != "mlp" and kinds != ["hydra"]:
@@ -500,8 +503,8 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
     # Hydra++ heads go beside the mlp ones (hydra-prefix/), never over them
     sub = {k: "hydra-prefix" if args.arch == "prefix-mlp" else k for k in kinds}
     out = {k: Path(args.out) / sub[k] if args.out else default_heads_dir(args.model, sub[k]) for k in kinds}
-    # float32 teacher: the stored answers are the float32 model's (answers.repo_store)
-    rt = load_runtime(ModelConfig(model=args.model, device=args.device, kernels="packed"))
+    # the teacher's arithmetic: float32 (packed), as the first store's answers, or the served Q8 (grow-answers')
+    rt = load_runtime(ModelConfig(model=args.model, device=args.device, kernels=args.teacher))
     tok = rt.tokenizer
     eos = set(eos_ids(rt.model, tok))
     if not eos:
@@ -515,11 +518,14 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         answers_file = ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz"
     else:
         answers_file = work / "answers.jsonl.gz"
-    stores = [AnswerStore(answers_file, args.model)]
-    if args.model == DEFAULT_MODEL and not args.answers:  # and grow-answers' corpus: the served model's answers
+    # an answer is keyed by the arithmetic that gave it (the served Q8's: "+q8"); new ones go to the first store
+    if args.model == DEFAULT_MODEL and not args.answers:  # the repo's float32 store and grow-answers' served one
         from entmtp.tools.answers import corpus_path
 
-        stores.append(AnswerStore(corpus_path(args.model), args.model + "+q8"))
+        stores = [AnswerStore(answers_file, args.model), AnswerStore(corpus_path(args.model), args.model + "+q8")]
+        stores = stores[::-1] if args.teacher == "q8" else stores
+    else:
+        stores = [AnswerStore(answers_file, args.model + ("+q8" if args.teacher == "q8" else ""))]
     results = train_and_save(
         rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
         tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, work, args.resume,

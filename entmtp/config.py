@@ -159,6 +159,9 @@ class TrainConfig:
     max_prompt_tokens: int = 384  # longer prompts are skipped
     gen_batch: int = 16
     ref_batch: int = 8
+    # the arithmetic whose states the heads learn from: "packed" (float32) or "q8" (the served model's;
+    # its prefill reads answers back ~3x faster, and new answers come from the served kernels in batches)
+    teacher: str = "packed"
     # heads and training
     num_heads: int = 4
     num_layers: int = 2

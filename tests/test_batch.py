@@ -196,3 +196,30 @@ def test_grow_answers_appends_what_no_store_holds_and_resumes(rt, tmp_path, caps
     assert [got.get(p, 6) for p in ids] == [want[i] for i in range(3)]
     assert main(turns) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["planned"] == 0
+
+
+def test_a_served_teacher_answers_on_the_served_kernels_and_reads_back_the_same_states(rt, tmp_path, monkeypatch):
+    """`train-heads --teacher q8`: the heads' corpus from the served arithmetic. Missing answers are
+    decoded in a batch on the served kernels (each the served model's answer alone) and stored; a new
+    work folder reads them back teacher-forced with the same states, bit for bit; a work folder built
+    with the other teacher is refused."""
+    from dataclasses import replace
+
+    from entmtp.config import TrainConfig
+    from entmtp.data.answers import AnswerStore
+    from entmtp.tools import train
+
+    cfg = replace(TrainConfig(), self_prompts=(("chat", 3),), ref_prompts=(), answer_tokens=6, gen_batch=3, teacher="q8")
+    store = AnswerStore(tmp_path / "served.jsonl.gz", rt.name + "+q8")
+    eos = set(rt.engine.eos)
+    first = train.build_corpus(rt.model, rt.encode, rt.encode, eos, 0, cfg, tmp_path / "a", "train", progress=False, answers=store)
+    ids = [rt.encode(p) for p in first.prompts]
+    alone = [next(batch.BatchDecoder(rt.model, eos, batch=1).run([p], 6)).tokens for p in ids]
+    assert [t.tolist() for t in first.tokens] == alone == [store.get(p, 6) for p in ids]
+    monkeypatch.setattr(train, "served_batch", lambda *a: pytest.fail("generated although every answer was stored"))
+    again = train.build_corpus(rt.model, rt.encode, rt.encode, eos, 0, cfg, tmp_path / "b", "train", progress=False,
+                               answers=AnswerStore(store.path, store.model))
+    assert all(torch.equal(a, b) for a, b in zip(first.hidden, again.hidden))
+    with pytest.raises(train.TrainError, match="teacher"):
+        train.build_corpus(rt.model, rt.encode, rt.encode, eos, 0, replace(cfg, teacher="packed"), tmp_path / "a", "train",
+                           progress=False, answers=store)

@@ -174,6 +174,15 @@ def read_back(model, prompts: list[list[int]], answers: list[list[int]]) -> list
     return [(states[k].float().cpu().contiguous(), torch.tensor(a)) for k, a in enumerate(answers)]
 
 
+def served_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`generate_batch` on the served kernels (`model.batch.BatchDecoder`): each answer the served
+    model's alone, with the states decoding kept."""
+    from entmtp.model.batch import BatchDecoder
+
+    got = {a.index: a for a in BatchDecoder(model, eos, batch=len(prompts), keep_hidden=True).run(prompts, max_new_tokens)}
+    return [(got[k].hidden.float().cpu().contiguous(), torch.tensor(got[k].tokens)) for k in range(len(prompts))]
+
+
 def _stored(stores: list[AnswerStore], prompt: list[int], cap: int) -> list[int] | None:
     for store in stores:
         got = store.get(prompt, cap)
@@ -273,9 +282,9 @@ def build_corpus(
     stores = [] if answers is None else list(answers) if isinstance(answers, (list, tuple)) else [answers]
     folder = work / "corpus" / split
     folder.mkdir(parents=True, exist_ok=True)
-    shape = {"answer_tokens": cfg.answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
+    shape = {"answer_tokens": cfg.answer_tokens, "max_prompt_tokens": cfg.max_prompt_tokens, "teacher": cfg.teacher}
     manifest = folder / "corpus.json"
-    if manifest.exists() and json.loads(manifest.read_text()) != shape:
+    if manifest.exists() and {"teacher": "packed", **json.loads(manifest.read_text())} != shape:  # older: float32
         raise TrainError(f"{folder} was built with {manifest.read_text().strip()}, not {shape}; use another --work")
     manifest.write_text(json.dumps(shape) + "\n")
     corpus = Corpus()
@@ -300,7 +309,8 @@ def build_corpus(
                     if all(a is not None for a in known):  # stored answers: read back teacher-forced
                         pairs = read_back(model, ids, known)
                     else:
-                        pairs = generate_batch(model, ids, cfg.answer_tokens, eos, pad)
+                        pairs = (served_batch(model, ids, cfg.answer_tokens, eos) if cfg.teacher == "q8"
+                                 else generate_batch(model, ids, cfg.answer_tokens, eos, pad))
                         if stores:
                             stores[0].add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
                 else:

@@ -520,7 +520,7 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         answers_file = work / "answers.jsonl.gz"
     # an answer is keyed by the arithmetic that gave it (the served Q8's: "+q8"); new ones go to the first store
     if args.model == DEFAULT_MODEL and not args.answers:  # the repo's float32 store and grow-answers' served one
-        from entmtp.tools.answers import corpus_path
+        from entmtp.data.answers import corpus_path
 
         stores = [AnswerStore(answers_file, args.model), AnswerStore(corpus_path(args.model), args.model + "+q8")]
         stores = stores[::-1] if args.teacher == "q8" else stores

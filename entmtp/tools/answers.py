@@ -27,17 +27,13 @@ from pathlib import Path
 from entmtp.config import GrowAnswersConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
-from entmtp.data.answers import ANSWERS_DIR, AnswerStore, repo_store
+from entmtp.data.answers import AnswerStore, corpus_path, repo_store
 
 SOURCES = ("chat/turns", "chat/self", "math/self", "code/sharegpt", "chat/everyday")
 
 
 class AnswersError(ValueError):
     """A bad source or store."""
-
-
-def corpus_path(model: str) -> Path:
-    return ANSWERS_DIR / f"{model}-corpus.jsonl.gz"
 
 
 def source_prompts(source: str, split: str = "train") -> tuple[list, list[int | None]]:

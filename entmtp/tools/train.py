@@ -314,7 +314,7 @@ def build_corpus(
                         if stores:
                             stores[0].add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
                 else:
-                    pairs = [teacher_forced(model, encode(p), encode_answer(r)[: cfg.answer_tokens]) for p, r in batch]
+                    pairs = read_back(model, [encode(p) for p, _ in batch], [encode_answer(r)[: cfg.answer_tokens] for _, r in batch])
                 part = {"prompts": texts, "hidden": [h for h, _ in pairs], "tokens": [t for _, t in pairs]}
                 _atomic_save(part, shard)
             if cfg.arch == "prefix-mlp" and "prompt_hidden" not in part:  # added to older shards in place

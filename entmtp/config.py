@@ -160,7 +160,7 @@ class TrainConfig:
     gen_batch: int = 16
     ref_batch: int = 8
     # the arithmetic whose states the heads learn from: "packed" (float32) or "q8" (the served model's;
-    # its prefill reads answers back ~3x faster, and new answers come from the served kernels in batches)
+    # its prefill reads stored answers back ~3x faster; new answers are keyed "+q8" in grow-answers' store)
     teacher: str = "packed"
     # heads and training
     num_heads: int = 4

@@ -216,7 +216,7 @@ def test_a_served_teacher_answers_on_the_served_kernels_and_reads_back_the_same_
     ids = [rt.encode(p) for p in first.prompts]
     alone = [next(batch.BatchDecoder(rt.model, eos, batch=1).run([p], 6)).tokens for p in ids]
     assert [t.tolist() for t in first.tokens] == alone == [store.get(p, 6) for p in ids]
-    monkeypatch.setattr(train, "served_batch", lambda *a: pytest.fail("generated although every answer was stored"))
+    monkeypatch.setattr(train, "generate_batch", lambda *a: pytest.fail("generated although every answer was stored"))
     again = train.build_corpus(rt.model, rt.encode, rt.encode, eos, 0, cfg, tmp_path / "b", "train", progress=False,
                                answers=AnswerStore(store.path, store.model))
     assert all(torch.equal(a, b) for a, b in zip(first.hidden, again.hidden))

@@ -174,15 +174,6 @@ def read_back(model, prompts: list[list[int]], answers: list[list[int]]) -> list
     return [(states[k].float().cpu().contiguous(), torch.tensor(a)) for k, a in enumerate(answers)]
 
 
-def served_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`generate_batch` on the served kernels (`model.batch.BatchDecoder`): each answer the served
-    model's alone, with the states decoding kept."""
-    from entmtp.model.batch import BatchDecoder
-
-    got = {a.index: a for a in BatchDecoder(model, eos, batch=len(prompts), keep_hidden=True).run(prompts, max_new_tokens)}
-    return [(got[k].hidden.float().cpu().contiguous(), torch.tensor(got[k].tokens)) for k in range(len(prompts))]
-
-
 def _stored(stores: list[AnswerStore], prompt: list[int], cap: int) -> list[int] | None:
     for store in stores:
         got = store.get(prompt, cap)
@@ -309,8 +300,7 @@ def build_corpus(
                     if all(a is not None for a in known):  # stored answers: read back teacher-forced
                         pairs = read_back(model, ids, known)
                     else:
-                        pairs = (served_batch(model, ids, cfg.answer_tokens, eos) if cfg.teacher == "q8"
-                                 else generate_batch(model, ids, cfg.answer_tokens, eos, pad))
+                        pairs = generate_batch(model, ids, cfg.answer_tokens, eos, pad)
                         if stores:
                             stores[0].add(task, source, ids, [t.tolist() for _, t in pairs], cfg.answer_tokens)
                 else:

@@ -118,3 +118,28 @@ def test_policies_choose_as_specified():
     assert [tau(s) for s in (0.6, 0.9, 0.7, 0.6, 0.5, 0.7, 0.81)] == [0, 1, 1, 1, 0, 0, 1]
     with pytest.raises(ValueError, match="thresholds"):
         LadderPolicy((0, 1), (0.1, 0.2))
+
+
+def test_a_checkouts_bank_reads_its_own_reranker(tmp_path):
+    """A bank read from another checkout (`<checkout>/banks/<model>/<task>.json`, as
+    scripts/compare_heads.py reads the heads and banks shipped before) names the reranker of that
+    checkout, not this one's: a copy of it loads, and a changed copy is refused."""
+    import shutil
+
+    from entmtp.config import ROOT
+
+    bank = ROOT / "banks" / "smollm2-135m-instruct" / "code.json"
+    rel = json.loads(bank.read_text())["provenance"]["phrasebook"]["reranker"]
+    other = tmp_path / "checkout"
+    (other / "banks" / "smollm2-135m-instruct").mkdir(parents=True)
+    shutil.copy(bank, other / "banks" / "smollm2-135m-instruct" / "code.json")
+    (other / rel).parent.mkdir(parents=True)
+    shutil.copy(ROOT / rel, other / rel)
+    copy = load_bank(other / "banks" / "smollm2-135m-instruct" / "code.json")
+    assert copy.root == other and copy.phrasebook_rule.sha256 == load_bank(bank).phrasebook_rule.sha256
+    raw = json.loads((other / rel).read_text())
+    raw["date"] = "another day"  # the other checkout's reranker is not the one its traces were drafted with
+    (other / rel).write_text(json.dumps(raw))
+    with pytest.raises(BankError, match="changed since the traces were drafted"):
+        load_bank(other / "banks" / "smollm2-135m-instruct" / "code.json").phrasebook_rule
+    assert load_bank(bank).phrasebook_rule is not None  # this checkout's bank still reads this checkout's file

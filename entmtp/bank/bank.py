@@ -23,15 +23,16 @@ class BankError(ValueError):
     """A bank file that does not follow the schema; the message names the bad field."""
 
 
-def phrasebook_rule(provenance: dict[str, Any]) -> Rule | None:
+def phrasebook_rule(provenance: dict[str, Any], root: Path = ROOT) -> Rule | None:
     """The rule a bank's provenance names for the phrasebook (`provenance.phrasebook`), or None: a
     share rule (`{min_n, max_head_p, min_share}`) or a reranker (`{reranker: its file relative to
-    the repository, sha256}`), which must be the very file the traces were drafted with."""
+    the repository (`root`: the checkout the bank was read from), sha256}`), which must be the very
+    file the traces were drafted with."""
     raw = provenance.get("phrasebook")
     if raw is None:
         return None
     if "reranker" in raw:
-        path = ROOT / raw["reranker"]
+        path = root / raw["reranker"]
         if not path.exists():
             raise BankError(f"provenance.phrasebook.reranker: {raw['reranker']} is missing; rebuild the bank (build-bank)")
         rr = Reranker.load(path)
@@ -65,6 +66,7 @@ class TopologyBank:
     traces: list[Trace] = field(default_factory=list)
     fit: dict[str, Any] = field(default_factory=dict)  # the active fit (see bank.fit.fit_task)
     shipped_fit: dict[str, Any] = field(default_factory=dict)  # the fit the file was saved with
+    root: Path = ROOT  # the checkout whose files the provenance names (another one's banks: scripts/compare_heads.py)
 
     @classmethod
     def of(cls, *trees: Tree) -> "TopologyBank":
@@ -102,7 +104,7 @@ class TopologyBank:
     def phrasebook_rule(self) -> Rule | None:
         """The rule its traces were drafted under with the model's phrasebook (`spec.phrasebook`), or
         None: heads alone. The engine must draft alike for the fit to hold."""
-        return phrasebook_rule(self.meta.get("provenance", {}))
+        return phrasebook_rule(self.meta.get("provenance", {}), self.root)
 
     def smallest(self) -> int:
         return min(range(len(self.trees)), key=lambda i: self.trees[i].n_nodes)
@@ -119,7 +121,7 @@ class TopologyBank:
         for name in _need(fit, "front", where, list):
             if name not in ids:
                 raise BankError(f"{where}.front: unknown tree id {name!r}")
-        return TopologyBank(self.trees, stats, policies, self.meta, self.traces, fit, self.shipped_fit)
+        return TopologyBank(self.trees, stats, policies, self.meta, self.traces, fit, self.shipped_fit, self.root)
 
     def policy(self, name: str) -> Policy:
         if name not in self.policies:
@@ -297,4 +299,8 @@ def load_bank(path: str | Path) -> TopologyBank:
         raw = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise BankError(f"{p}: not valid JSON ({e})") from None
-    return parse_bank(raw, where=str(p))
+    bank = parse_bank(raw, where=str(p))
+    checkout = p.resolve().parents[2] if len(p.resolve().parents) > 2 else ROOT  # <checkout>/banks/<model>/<task>.json
+    if p.resolve().parents[1].name == "banks" and (checkout / "assets").is_dir():
+        bank.root = checkout
+    return bank

@@ -438,7 +438,7 @@ def _generate_batched(rt, items: list[dict], args: argparse.Namespace) -> None:
 
 def cmd_grow_answers(args: argparse.Namespace) -> None:
     from entmtp.config import DEFAULT_MODEL
-    from entmtp.data.answers import AnswerStore, held_out_keys
+    from entmtp.data.answers import AnswerStore, corpus_path, held_out_keys
     from entmtp.model import batch
     from entmtp.tools import answers
 
@@ -451,7 +451,7 @@ def cmd_grow_answers(args: argparse.Namespace) -> None:
         raise UsageError(f"grow-answers needs the fused layer stack, which {rt.name} does not run on here ({rt.arithmetic})")
     if args.store is None and rt.name != DEFAULT_MODEL:
         raise UsageError(f"--store is needed for {rt.name} (the repository keeps the default model's answers only)")
-    path = Path(args.store) if args.store else answers.corpus_path(rt.name)
+    path = Path(args.store) if args.store else corpus_path(rt.name)
     store = AnswerStore(path, rt.name + rt.arithmetic)
     sources = args.sources or {s: None for s in answers.SOURCES}
     cfg = GrowAnswersConfig(batch=args.batch, answer_tokens=args.answer_tokens, max_prompt_tokens=args.max_prompt_tokens)
@@ -518,14 +518,14 @@ def cmd_train_heads(args: argparse.Namespace) -> None:
         answers_file = ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz"
     else:
         answers_file = work / "answers.jsonl.gz"
-    # an answer is keyed by the arithmetic that gave it (the served Q8's: "+q8"); new ones go to the first store
+    # an answer is keyed by the arithmetic that gave it (`Runtime.arithmetic`); new ones go to the first store
     if args.model == DEFAULT_MODEL and not args.answers:  # the repo's float32 store and grow-answers' served one
         from entmtp.data.answers import corpus_path
 
         stores = [AnswerStore(answers_file, args.model), AnswerStore(corpus_path(args.model), args.model + "+q8")]
-        stores = stores[::-1] if args.teacher == "q8" else stores
+        stores.sort(key=lambda s: s.model != args.model + rt.arithmetic)  # the teacher's own arithmetic first
     else:
-        stores = [AnswerStore(answers_file, args.model + ("+q8" if args.teacher == "q8" else ""))]
+        stores = [AnswerStore(answers_file, args.model + rt.arithmetic)]
     results = train_and_save(
         rt.model, rt.encode, lambda a: tok(a, add_special_tokens=False)["input_ids"] + [end], eos,
         tok.pad_token_id if tok.pad_token_id is not None else end, cfg, kinds, out, work, args.resume,

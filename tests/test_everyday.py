@@ -12,7 +12,7 @@ import pytest
 from entmtp.config import DEFAULT_MODEL, EVAL_SETS, ROOT, TASKS, BankBuildConfig, TrainConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
-from entmtp.data.answers import ANSWERS_DIR, AnswerStore, held_out_keys
+from entmtp.data.answers import ANSWERS_DIR, AnswerStore, corpus_path, held_out_keys
 from entmtp.bank.build import calibration_prompts
 from entmtp.tools import answers
 from entmtp.tools.train import corpus_plan
@@ -91,7 +91,7 @@ def test_stored_answers_hold_no_evaluation_prompt():
     encode = lambda text: Runtime.encode(type("R", (), {"tokenizer": tok, "name": DEFAULT_MODEL})(), text)  # noqa: E731
     store = AnswerStore(ANSWERS_DIR / f"{DEFAULT_MODEL}.jsonl.gz", DEFAULT_MODEL)
     assert len(store.rows) > 1000
-    corpus = AnswerStore(answers.corpus_path(DEFAULT_MODEL), DEFAULT_MODEL)  # grow-answers' store
+    corpus = AnswerStore(corpus_path(DEFAULT_MODEL), DEFAULT_MODEL)  # grow-answers' store
     assert len(corpus.rows) > 100
     # ... which holds no calibration prompt's answer either (the heads train on all of it)
     assert not set(corpus.rows) & held_out_keys(DEFAULT_MODEL, lambda texts: [encode(t) for t in texts])

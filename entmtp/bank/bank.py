@@ -300,7 +300,7 @@ def load_bank(path: str | Path) -> TopologyBank:
     except json.JSONDecodeError as e:
         raise BankError(f"{p}: not valid JSON ({e})") from None
     bank = parse_bank(raw, where=str(p))
-    checkout = p.resolve().parents[2] if len(p.resolve().parents) > 2 else ROOT  # <checkout>/banks/<model>/<task>.json
-    if p.resolve().parents[1].name == "banks" and (checkout / "assets").is_dir():
-        bank.root = checkout
+    up = p.resolve().parents  # a checkout's bank: <checkout>/banks/<model>/<task>.json
+    if len(up) > 2 and up[1].name == "banks" and (up[2] / "assets").is_dir():
+        bank.root = up[2]
     return bank

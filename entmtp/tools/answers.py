@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from entmtp.config import GrowAnswersConfig
 from entmtp.data import everyday
 from entmtp.data import prompts as data
-from entmtp.data.answers import AnswerStore, corpus_path, repo_store
+from entmtp.data.answers import AnswerStore, repo_store
 
 SOURCES = ("chat/turns", "chat/self", "math/self", "code/sharegpt", "chat/everyday")
 

@@ -93,6 +93,35 @@ def test_native_confidence_is_the_softmax_maximum_and_entropy():
     assert all(math.isnan(v) for v in extension().confidence(torch.full((9,), -float("inf"))))
 
 
+def test_native_head_top_is_the_top_log_softmax_earlier_first_on_ties():
+    """`phrasebook.head_top` on the extension: ATen's top-k indices (no ties) and log-softmax
+    values within 1e-6 (relative) of a float64 reference, at widths around its 8-lane vectors and k above
+    the width; an equal logit goes after the earlier ones; the reranker's helper takes this path
+    for finite CPU rows, and ATen's (unchanged) where a row holds a NaN or an infinity."""
+    from entmtp.spec.phrasebook import HEAD_CANDIDATES, head_top
+
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 7, 8, 9, 16, 17, 63, 64, 65, 2048, 4096):
+        for scale in (0.1, 1.0, 8.0):
+            z = torch.randn(n, generator=g) * scale
+            k = min(HEAD_CANDIDATES, n)
+            lp, idx = extension().head_top(z, HEAD_CANDIDATES)
+            ref = torch.log_softmax(z.double(), -1)
+            assert idx.tolist() == z.topk(k).indices.tolist(), (n, scale)
+            assert torch.allclose(lp.double(), ref[idx], rtol=1e-6, atol=1e-6), (n, scale)
+            assert head_top(z) == (lp.tolist(), idx.tolist())
+    z = torch.zeros(40)
+    z[[3, 9, 30]] = 2.0
+    z[[5, 31]] = 1.0
+    lp, idx = extension().head_top(z, 6)
+    assert idx.tolist() == [3, 9, 30, 5, 31, 0] and lp[0] == lp[2] and lp[3] == lp[4] and lp[5] < lp[4]
+    z[7] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN or an infinity"):
+        extension().head_top(z, 6)
+    want = torch.log_softmax(z, -1).topk(HEAD_CANDIDATES)
+    assert head_top(z)[1] == want.indices.tolist()
+
+
 def test_keep_entries_moves_the_accepted_path_in_place():
     g = torch.Generator().manual_seed(1)
     bufs = [torch.randn(1, 3, 50, 8, generator=g) for _ in range(4)]

@@ -305,8 +305,15 @@ def softmax(s: np.ndarray) -> np.ndarray:
 
 def head_top(row: torch.Tensor) -> tuple[list[float], list[int]]:
     """The head's `HEAD_CANDIDATES` best draft indices at a node, best first, and their
-    log-probabilities, from its logits (K,)."""
-    logp = torch.log_softmax(row.float().view(-1), -1)
+    log-probabilities, from its logits (K,): where the extension is loaded, by its `head_top`
+    (as its forcer reads them: an equal logit after the earlier ones, the log-softmax summed in
+    its own order), else by ATen's log_softmax and topk."""
+    row = row.float().view(-1)
+    kernels = ext.loaded() if row.device.type == "cpu" and bool(torch.isfinite(row).all()) else None
+    if kernels is not None:
+        top, idx = kernels.head_top(row, min(HEAD_CANDIDATES, row.numel()))
+        return top.tolist(), idx.tolist()
+    logp = torch.log_softmax(row, -1)
     top, idx = logp.topk(min(HEAD_CANDIDATES, logp.numel()))
     return top.tolist(), idx.tolist()
 

@@ -205,7 +205,7 @@ at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                                     c10::optional<Force> force, double p0, double settle, bool strict,
-                                                    int64_t settled_depth, int64_t unsettled_depth) const {
+                                                    int64_t settled_depth, int64_t unsettled_depth, bool ranked) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   const bool reading = p0 >= 0;  // the policy's value is read (and may stop or extend the chain)
   const int64_t deepest = reading ? std::max({depth, settled_depth, unsettled_depth}) : depth;
@@ -238,12 +238,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
     }
     auto z = lm[d](h, isa);  // (1, K)
     // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
-    const auto p = at::softmax(z, -1).contiguous();
-    int64_t idx = argmax_row(p.data_ptr<float>(), p.numel());
-    probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[idx];
-    const auto asked = force.has_value() ? (*force)(path, static_cast<double>(p.data_ptr<float>()[idx]), z.view({-1}))
+    auto top1 = [&]() -> int64_t {
+      const auto p = at::softmax(z, -1).contiguous();
+      const int64_t i = argmax_row(p.data_ptr<float>(), p.numel());
+      probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[i];
+      return i;
+    };
+    const bool own = ranked && force.has_value();  // the forcer's ranking and probability: no softmax
+    int64_t idx = own ? -1 : top1();
+    const auto asked = force.has_value() ? (*force)(path, own ? -1.0 : static_cast<double>(probs.data_ptr<float>()[d - first]), z.view({-1}))
                                          : std::pair<std::vector<int64_t>, double>{{}, -1.0};
     const auto& forced = asked.first;
+    if (own && forced.empty()) idx = top1();
     if (asked.second >= 0) probs.data_ptr<float>()[d - first] = static_cast<float>(asked.second);
     if (!forced.empty()) {  // phrasebook.force_row: the row's maximum + m - j at the j-th of m (float32, as ATen adds)
       z = z.contiguous();

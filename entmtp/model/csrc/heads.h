@@ -61,10 +61,13 @@ struct HeadChain {
   // Once the value settles, the chain goes on (without reading it) to `settled_depth` where that is
   // deeper; where it reaches `depth` unsettled, on to `unsettled_depth`: the depths of the trees
   // the policy then picks (`Chooser.outcomes`), so the tree's own chain is in the same call.
+  // `ranked`: `force` names the draft indices and gives the probability at every node whatever the
+  // head's top-1 probability (a reranker's): the row's softmax is then computed only where it
+  // names none (it is given -1 for that probability).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
                                            c10::optional<Force> force = c10::nullopt, double p0 = -1.0,
                                            double settle = 0.0, bool strict = false, int64_t settled_depth = -1,
-                                           int64_t unsettled_depth = -1) const;
+                                           int64_t unsettled_depth = -1, bool ranked = false) const;
 
   // The token parts kept so far: (entries, hits, misses); `clear_kept` forgets them.
   std::tuple<int64_t, int64_t, int64_t> kept() const;

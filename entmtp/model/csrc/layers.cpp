@@ -637,15 +637,10 @@ inline __m256d widen_sum(__m256 v) {  // the 8 lanes as 4 doubles: lanes l and l
 
 }  // namespace
 
-std::tuple<double, double> confidence(at::Tensor z) {
-  TORCH_CHECK(z.scalar_type() == at::kFloat && z.device().is_cpu() && z.numel() > 0, "confidence: float32 logits on the CPU");
-  z = z.contiguous();
-  const float* p = z.data_ptr<float>();
-  const int64_t n = z.numel();
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  bool has_nan = false;
-  const float m = max_row(p, n, has_nan);
-  if (has_nan || std::isinf(m)) return {nan, nan};  // a NaN, +inf, or every input -inf: ATen's softmax is NaN
+// S = sum e_i and T = sum x_i e_i over n floats p less their maximum m (x_i = max(p_i - m, -88.38),
+// e_i = exp(x_i)), 64 inputs a run in float32, each run's total added in float64: one order of
+// operations on every CPU of the extension's floor.
+static void exp_sums(const float* p, int64_t n, float m, double& s, double& t) {
   const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-88.3762626647949f);
   __m256d S = _mm256_setzero_pd(), T = _mm256_setzero_pd();
   alignas(32) float tail[8];
@@ -672,9 +667,69 @@ std::tuple<double, double> confidence(at::Tensor z) {
   alignas(32) double s4[4], t4[4];
   _mm256_store_pd(s4, S);
   _mm256_store_pd(t4, T);
-  const double s = (s4[0] + s4[1]) + (s4[2] + s4[3]), t = (t4[0] + t4[1]) + (t4[2] + t4[3]);
+  s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  t = (t4[0] + t4[1]) + (t4[2] + t4[3]);
+}
+
+std::tuple<double, double> confidence(at::Tensor z) {
+  TORCH_CHECK(z.scalar_type() == at::kFloat && z.device().is_cpu() && z.numel() > 0, "confidence: float32 logits on the CPU");
+  z = z.contiguous();
+  const float* p = z.data_ptr<float>();
+  const int64_t n = z.numel();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  bool has_nan = false;
+  const float m = max_row(p, n, has_nan);
+  if (has_nan || std::isinf(m)) return {nan, nan};  // a NaN, +inf, or every input -inf: ATen's softmax is NaN
+  double s, t;
+  exp_sums(p, n, m, s, t);
   const double entropy = std::log(s) - t / s;
   return {1.0 / s, entropy > 0.0 ? entropy : 0.0};
+}
+
+bool head_top_row(const float* z, int64_t n, int64_t k, float* lp, int64_t* idx) {
+  bool has_nan = false;
+  const float m = n > 0 ? max_row(z, n, has_nan) : 0.0f;
+  if (n <= 0 || has_nan || std::isinf(m)) return false;
+  k = std::min(k, n);
+  if (k <= 0) return true;
+  // the k largest, best first, an equal value after the earlier ones: one pass that keeps them
+  // sorted, 8 inputs at a time tested against the k-th kept once k are kept
+  float val[kMaxTop];
+  int64_t at[kMaxTop], kept = 0;
+  auto offer = [&](int64_t i) {
+    const float v = z[i];
+    if (kept == k && !(v > val[k - 1])) return;
+    int64_t j = kept < k ? kept++ : k - 1;
+    for (; j > 0 && val[j - 1] < v; --j) val[j] = val[j - 1], at[j] = at[j - 1];
+    val[j] = v, at[j] = i;
+  };
+  int64_t i = 0;
+  for (; i < n && kept < k; ++i) offer(i);
+  for (; i + 8 <= n; i += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(z + i), _mm256_set1_ps(val[k - 1]), _CMP_GT_OQ));
+    for (; mask; mask &= mask - 1) offer(i + __builtin_ctz(mask));
+  }
+  for (; i < n; ++i) offer(i);
+  double s, t;
+  exp_sums(z, n, m, s, t);
+  const double lse = std::log(s);
+  for (int64_t j = 0; j < k; ++j) {
+    lp[j] = static_cast<float>((static_cast<double>(val[j]) - static_cast<double>(m)) - lse);
+    idx[j] = at[j];
+  }
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> head_top(at::Tensor z, int64_t k) {
+  TORCH_CHECK(z.scalar_type() == at::kFloat && z.device().is_cpu() && z.dim() == 1 && z.numel() > 0, "head_top: float32 logits [n] on the CPU");
+  TORCH_CHECK(k > 0 && k <= kMaxTop, "head_top: 1 to ", kMaxTop, " candidates");
+  z = z.contiguous();
+  const int64_t n = z.numel(), kk = std::min(k, n);
+  auto lp = at::empty({kk}, z.options());
+  auto idx = at::empty({kk}, z.options().dtype(at::kLong));
+  if (!head_top_row(z.data_ptr<float>(), n, kk, lp.data_ptr<float>(), idx.data_ptr<int64_t>()))
+    TORCH_CHECK(false, "head_top: the logits hold a NaN or an infinity");
+  return {lp, idx};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -687,6 +742,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   mod.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 [rows, n] tensor, the same indices");
   mod.def("confidence", &confidence, "policy.confidence of float32 logits: (p0, entropy) of their softmax");
+  mod.def("head_top", &head_top, "phrasebook.head_top of float32 logits: the k best log-softmax values and their indices");
   mod.def("keep_entries", &keep_entries, "a tree step's accepted KV entries moved in place (buffers, past, accepted)");
   pybind11::class_<Stack>(mod, "Stack")
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
@@ -699,7 +755,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, tokens)",
            pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none(),
            pybind11::arg("p0") = -1.0, pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false,
-           pybind11::arg("settled_depth") = -1, pybind11::arg("unsettled_depth") = -1)
+           pybind11::arg("settled_depth") = -1, pybind11::arg("unsettled_depth") = -1, pybind11::arg("ranked") = false)
       .def(
           "chain_native",
           [](const HeadChain& c, at::Tensor feature, std::vector<int64_t> path, int64_t depth, const PhraseForcer& forcer, double p0,
@@ -708,7 +764,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                            HeadChain::Force([&forcer](const std::vector<int64_t>& p, double head_p, const at::Tensor& row) {
                              return forcer.force(p, head_p, row);
                            }),
-                           p0, settle, strict, settled_depth, unsettled_depth);
+                           p0, settle, strict, settled_depth, unsettled_depth, !forcer.layers.empty());
           },
           "`chain` with a native phrasebook forcer: no call back into Python at a node",
           pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("forcer"), pybind11::arg("p0") = -1.0,

@@ -194,25 +194,30 @@ std::pair<std::vector<int64_t>, double> PhraseForcer::force(const std::vector<in
     }
     return {{}, -1.0};
   }
-  // head_top: the head's best draft indices and log-probabilities, by the same ATen operations
-  const auto logp = at::log_softmax(row.to(at::kFloat).reshape({-1}), -1);
-  const auto [top, idx] = at::topk(logp, std::min<int64_t>(kHeadCandidates, logp.numel()));
-  const auto topc = top.contiguous();
-  const auto idxc = idx.contiguous();
-  const float* lp = topc.data_ptr<float>();
-  const int64_t* ix = idxc.data_ptr<int64_t>();
-  const int64_t h = topc.numel();
-  // candidate_features
+  // head_top: the head's best draft indices and their log-probabilities (`head_top_row`, which
+  // phrasebook.head_top calls too; ATen's where the row holds a NaN or an infinity, as there)
+  const auto r = row.to(at::kFloat).reshape({-1}).contiguous();
+  float lp[kHeadCandidates];
+  int64_t ix[kHeadCandidates];
+  const int64_t h = std::min<int64_t>(kHeadCandidates, r.numel());
+  if (!head_top_row(r.data_ptr<float>(), r.numel(), h, lp, ix)) {
+    const auto [top, idx] = at::topk(at::log_softmax(r, -1), h);
+    const auto topc = top.contiguous();
+    const auto idxc = idx.contiguous();
+    std::copy(topc.data_ptr<float>(), topc.data_ptr<float>() + h, lp);
+    std::copy(idxc.data_ptr<int64_t>(), idxc.data_ptr<int64_t>() + h, ix);
+  }
+  // candidate_features: the candidates, first named first (at most a few dozen: a linear search)
   std::vector<int64_t> cands;
-  std::vector<std::array<double, 14>> feats;
-  std::unordered_map<int64_t, size_t> where;
-  auto slot = [&](int64_t t) -> std::array<double, 14>& {
-    auto [it, added] = where.try_emplace(t, cands.size());
-    if (added) {
-      cands.push_back(t);
-      feats.push_back({});
-    }
-    return feats[it->second];
+  std::vector<std::array<double, kFeatures>> feats;
+  cands.reserve(2 * kHeadCandidates);
+  feats.reserve(2 * kHeadCandidates);
+  auto slot = [&](int64_t t) -> std::array<double, kFeatures>& {
+    for (size_t i = 0; i < cands.size(); ++i)
+      if (cands[i] == t) return feats[i];
+    cands.push_back(t);
+    feats.push_back({});
+    return feats.back();
   };
   for (int64_t k = 0; k < h; ++k) {
     auto& f = slot(ids.empty() ? ix[k] : ids[ix[k]]);

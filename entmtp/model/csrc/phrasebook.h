@@ -11,6 +11,15 @@
 #include <utility>
 #include <vector>
 
+// The most candidates `head_top_row` keeps.
+constexpr int64_t kMaxTop = 64;
+// phrasebook.head_top natively (layers.cpp): the k (at most kMaxTop) largest of n float32 logits z,
+// best first (an equal value after the earlier ones), into idx, and their log-softmax into lp:
+// (z_i - m) - log S in float64, rounded once to float32, with the maximum m and S = sum exp(z_j - m)
+// summed as `confidence` sums them (the same bits on every CPU of the extension's floor). false,
+// nothing written, where z holds a NaN or an infinity.
+bool head_top_row(const float* z, int64_t n, int64_t k, float* lp, int64_t* idx);
+
 // The stored answers' n-gram tables (`phrasebook.Table` for n = 1..max_n): sorted 64-bit hashes
 // (as int64 tensors holding the uint64 bits), each one's most frequent follower, its count and
 // the hash's count. The tensors are held, not copied.

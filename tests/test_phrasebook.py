@@ -164,6 +164,29 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, see
     assert (outside > 0) == (vocab == "draft"), "a token outside the draft vocabulary should go first now and then"
 
 
+def test_the_extension_ranks_a_node_with_many_candidates_as_python_does():
+    """A text in which one token was followed by 150 others: past 64 candidates the extension's
+    forcer finds them through a map instead of a scan, and still ranks and scores them as the
+    Python forcer does."""
+    from entmtp.model import ext
+    from entmtp.spec.phrasebook import forcer
+
+    if ext.extension() is None:
+        pytest.skip(f"the extension cannot serve here: {ext._state.get('error')}")
+    gen = np.random.default_rng(5)
+    V = 400
+    text = [t for follower in range(1, 151) for t in (0, follower)] + [0, 3, 0]
+    book = Phrasebook([[0, 7, 0, 9, 0, 7]] + _sequences(1), max_n=4)
+    rule = Reranker(((gen.normal(size=(N_FEATURES, 8)), gen.normal(size=8)), (gen.normal(size=(8, 1)), gen.normal(size=1))), first=3)
+    empty = torch.tensor([], dtype=torch.long)
+    native, python = forcer(book.context(text), rule, empty), forcer(book.context(text), rule, empty, native=False)
+    rows = torch.Generator().manual_seed(5)
+    for path in ([0], [5, 0], [3, 0, 3], [0, 0]):
+        row = torch.randn(V, generator=rows) * 2
+        (i1, p1), (i2, p2) = native(path, 0.5, row), python(path, 0.5, row)
+        assert i1 == i2 and p1 == pytest.approx(p2, abs=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["share rule", "reranker"])
 @pytest.mark.parametrize("native", [True, False], ids=["native forcer", "python forcer"])
 @pytest.mark.parametrize("vocab", ["whole", "draft"])

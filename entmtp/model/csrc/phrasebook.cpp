@@ -207,14 +207,25 @@ std::pair<std::vector<int64_t>, double> PhraseForcer::force(const std::vector<in
     std::copy(topc.data_ptr<float>(), topc.data_ptr<float>() + h, lp);
     std::copy(idxc.data_ptr<int64_t>(), idxc.data_ptr<int64_t>() + h, ix);
   }
-  // candidate_features: the candidates, first named first (at most a few dozen: a linear search)
+  // candidate_features: the candidates, first named first; found by a linear search while they are
+  // a few dozen (most nodes), through a hash map once more (a long text's many followers of a token)
   std::vector<int64_t> cands;
   std::vector<std::array<double, kFeatures>> feats;
-  cands.reserve(2 * kHeadCandidates);
-  feats.reserve(2 * kHeadCandidates);
+  std::unordered_map<int64_t, size_t> where;
+  constexpr size_t kScan = 64;
+  cands.reserve(kScan);
+  feats.reserve(kScan);
   auto slot = [&](int64_t t) -> std::array<double, kFeatures>& {
-    for (size_t i = 0; i < cands.size(); ++i)
-      if (cands[i] == t) return feats[i];
+    if (cands.size() <= kScan) {
+      for (size_t i = 0; i < cands.size(); ++i)
+        if (cands[i] == t) return feats[i];
+    } else {
+      if (where.empty())
+        for (size_t i = 0; i < cands.size(); ++i) where.emplace(cands[i], i);
+      const auto it = where.find(t);
+      if (it != where.end()) return feats[it->second];
+      where.emplace(t, cands.size());
+    }
     cands.push_back(t);
     feats.push_back({});
     return feats.back();

@@ -88,6 +88,46 @@ def test_expand_with_a_draft_vocabulary(model):
             assert all(t in range(5, 45, 2) for t in got[1:])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_chain_tree_drafts_the_spine_without_ranking_a_row_again(model, packed, monkeypatch):
+    """A chain of one child a depth is the root and the tokens the top-1 chain went through
+    (`expand(..., spine=Chain.tokens)`): the same tokens as ranking each row again, taken with no
+    top-k; with a forcer the spine's tokens are the forced ones, an outside token included. Other
+    trees ignore the spine."""
+    heads = random_heads(model, "hydra")
+    heads.blocks = "q4_1"
+    heads.set_draft_vocab(torch.arange(3, 47, 2))  # odd ids 3..45: every even id lies outside
+    if packed:
+        ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+        heads = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
+        assert heads._chain is not None
+
+    def force(path, head_p, row):  # an index first at even depths, an outside token at depth 1
+        depth = len(path) - 1
+        return ([-1 - 12, 2], 0.5) if depth == 1 else (([5], 0.25) if depth % 2 == 0 else ([], -1.0))
+
+    topks = []
+    with torch.inference_mode():
+        for forcer in (None, force):
+            for root, feature in features(model, heads, 6):
+                chain = top1_chain(heads, feature, root, 4, force=forcer)
+                outside = heads.outside(chain.tokens)
+                for d in range(1, 5):
+                    tree = compile_tree([[0] * k for k in range(1, d + 1)], f"chain{d}")
+                    ranked = expand(tree, heads, feature, root, chain[0], outside).tolist()
+                    original = torch.topk
+                    monkeypatch.setattr(torch, "topk", lambda *a, **k: topks.append(1) or original(*a, **k))
+                    got = expand(tree, heads, feature, root, chain[0], outside, chain.tokens).tolist()
+                    monkeypatch.setattr(torch, "topk", original)
+                    assert got == ranked == [root] + chain.tokens[:d]
+                    if forcer is not None and d >= 2:
+                        assert got[2] == 12  # the outside token the forcer put first at depth 1
+                wide = compile_tree([[0], [1], [0, 0]], "wide")
+                assert expand(wide, heads, feature, root, chain[0], outside, chain.tokens).tolist() == \
+                    expand(wide, heads, feature, root, chain[0], outside).tolist()
+    assert not topks
+
+
 @pytest.mark.parametrize("kind, kw", KINDS)
 def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw):
     """The engine runs the top-1 chain to the policy's depth, then on to the tree's: the heads it

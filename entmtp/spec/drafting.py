@@ -56,8 +56,9 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     tokens = getattr(prefix, "tokens", None)
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
-    path = torch.tensor([[root] + list(tokens)], device=feature.device)  # (1, d+1)
-    more, p, picked = _top1(heads, feature, path, depth, force, settle, then)
+    path = [root] + list(tokens)  # the root and the prefix's tokens: the extension takes the list as it is
+    more, p, picked = (heads.top1_on_blocks(feature, path, depth, force, settle, then)
+                       or _top1(heads, feature, torch.tensor([path], device=feature.device), depth, force, settle, then))
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
@@ -124,7 +125,7 @@ def draft(tree: Tree, heads: DraftHeads, feature: torch.Tensor, root: torch.Tens
 
 
 def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: int | torch.Tensor, chain: list[torch.Tensor],
-           outside: list[int] | None = None) -> torch.Tensor:
+           outside: list[int] | None = None, spine: list[int] | None = None) -> torch.Tensor:
     """Draft tokens for every node of `tree`, root first. -> (N,) token ids.
 
     Depth by depth, head d runs once, batched over the depth-d nodes that have children, and
@@ -133,9 +134,14 @@ def expand(tree: Tree, heads: DraftHeads | None, feature: torch.Tensor, root: in
     its logits then come from the top-1 chain. It need not have any: in [[0], [1], [1, 0]] the only
     parent at depth 1 is (1,). `root` is a token id, or a (1,) tensor on the device. `outside`
     (`heads.outside` of `Chain.tokens`): where the chain's token at depth d lies outside the draft
-    vocabulary, the chain node's children are that token, then its row's top k - 1.
+    vocabulary, the chain node's children are that token, then its row's top k - 1. `spine`
+    (`Chain.tokens`, from an int root): a chain of one child a depth is the root and the tokens
+    the chain went through, with no row ranked again.
     """
     device = feature.device
+    if spine is not None and not isinstance(root, torch.Tensor) and tree.chain_ks is not None \
+            and len(spine) >= len(tree.chain_ks) and all(k == 1 for k in tree.chain_ks):
+        return torch.tensor([root] + list(spine[: len(tree.chain_ks)]), device=device)
     outside = list(outside or [])[: len(chain)]
 
     def ranked(row: torch.Tensor, k: int, d: int) -> torch.Tensor:  # (P, K) -> (P, k) token ids; row 0 the chain node's where reused

@@ -250,7 +250,7 @@ class Engine:
             else:
                 spine = getattr(chained, "tokens", None)  # its tokens from outside the draft vocabulary go first
                 outside = heads.outside(spine[:depth]) if spine and heads is not None else None
-                tokens = drafting.expand(tree, heads, feature, root, chain, outside) if tree.n_nodes > 1 else torch.tensor([root], device=device)
+                tokens = drafting.expand(tree, heads, feature, root, chain, outside, spine) if tree.n_nodes > 1 else torch.tensor([root], device=device)
             t2 = clock()
             # verify
             hidden, logits = verify.tree_forward(model, cache, tree, tokens, past)

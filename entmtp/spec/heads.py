@@ -276,18 +276,22 @@ class DraftHeads(nn.Module):
                        settle: tuple[float, float, bool] | None = None,
                        then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
         """`drafting.top1_logits` in one extension call where the heads are on GGUF blocks (the same
-        bits): from `path` (1, d+1) on to `depth`, the logits (K,) of heads d..depth-1, their
-        top-1 probabilities and the tokens the path went on through; None elsewhere. `force`:
+        bits): from `path` (1, d+1), or that path as a list of ids, on to `depth`, the logits (K,)
+        of heads d..depth-1, their top-1 probabilities and the tokens the path went on through;
+        None elsewhere. `force`:
         `drafting.top1_logits`'s; `settle`, `then`: `drafting._top1`'s (the chain stops or goes on itself)."""
         if self._chain is None or feature.device.type != "cpu":
             return None
         stop = {} if settle is None else {"p0": settle[0], "settle": settle[1], "strict": settle[2],
                                           "settled_depth": then[0], "unsettled_depth": then[1]}
+        ids = path if isinstance(path, list) else path[0].tolist()
+        if feature.dtype != torch.float32:
+            feature = feature.float()
         native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
         if native is not None:
-            logits, probs, tokens = self._chain.chain_native(feature.float(), path[0].tolist(), depth, native(), **stop)
+            logits, probs, tokens = self._chain.chain_native(feature, ids, depth, native(), **stop)
         else:
-            logits, probs, tokens = self._chain.chain(feature.float(), path[0].tolist(), depth, force, **stop)
+            logits, probs, tokens = self._chain.chain(feature, ids, depth, force, **stop)
         return list(logits.unbind(0)), probs, tokens
 
     def _whole_blocks(self) -> bool:

@@ -57,8 +57,7 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
         tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
     path = [root] + list(tokens)  # the root and the prefix's tokens: the extension takes the list as it is
-    more, p, picked = (heads.top1_on_blocks(feature, path, depth, force, settle, then)
-                       or _top1(heads, feature, torch.tensor([path], device=feature.device), depth, force, settle, then))
+    more, p, picked = _top1(heads, feature, path, depth, force, settle, then)
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
 
 
@@ -76,15 +75,18 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     return _top1(heads, feature, path, depth, force)[:2]
 
 
-def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, depth: int,
+def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor | list[int], depth: int,
           force: Forcer | None = None, settle: tuple[float, float, bool] | None = None,
           then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """`top1_logits`, and the tokens (depth - d,) long the path went on through; with `settle`
     (g so far, t, strict), only up to the first head that brings g to at most t (below t if strict),
-    then on as `then` says (`top1_chain`)."""
+    then on as `then` says (`top1_chain`). `path` may be the list of ids (a tensor is made of it
+    only where the extension does not run the chain)."""
     fast = heads.top1_on_blocks(feature, path, depth, force, settle, then)  # block heads on a CPU: one extension call, the same bits
     if fast is not None:
         return fast
+    if isinstance(path, list):
+        path = torch.tensor([path], device=feature.device)  # (1, d+1)
     g = settle[0] if settle is not None else None
     h = feature[None]  # (1, H)
     logits, probs, tokens = [], [], []

@@ -152,20 +152,22 @@ def test_a_chain_continued_from_a_shorter_one_is_the_same_chain(model, kind, kw)
             assert again[1] == whole[1] and all(torch.equal(a, b) for a, b in zip(again[0], whole[0]))
 
 
-@pytest.mark.parametrize("blocks", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("blocks, lm_blocks", [("q8_0", "q8_0"), ("q4_1", "q8_0"), ("q4_1", "q4_1")])
 @pytest.mark.parametrize("kind, kw", KINDS)
-def test_chain_on_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw, blocks):
-    """Heads on GGUF blocks (Q8_0 or Q4_1 ResBlocks) run the top-1 chain in one extension call
-    (`top1_on_blocks`, a widened ResBlock's two linears as one product): the same logits and
-    probabilities as the modules, op by op, from the root or from a longer path, with and without
-    a draft vocabulary, so the engine drafts what a bank's traces recorded."""
+def test_chain_on_blocks_is_the_modules_chain_bit_for_bit(model, kind, kw, blocks, lm_blocks):
+    """Heads on GGUF blocks (Q8_0 or Q4_1 ResBlocks; the LM head in Q8_0, or in Q4_1 with its best
+    rows refined in Q8_0) run the top-1 chain in one extension call (`top1_on_blocks`, a widened
+    ResBlock's two linears as one product): the same logits and probabilities as the modules, op
+    by op, from the root or from a longer path, with and without a draft vocabulary, so the engine
+    drafts what a bank's traces recorded."""
     heads = random_heads(model, kind, **kw)
-    heads.blocks = blocks
+    heads.blocks, heads.lm_blocks = blocks, lm_blocks
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
     for vocab in (None, torch.arange(3, 47, 2)):
         heads.set_draft_vocab(vocab)
         packed = copy.deepcopy(heads).bind(model).pack((torch.randn(60, model.config.hidden_size), ids))
         assert packed.numerics.startswith("q8-blocks" if blocks == "q8_0" else "q4_1-blocks") and packed._chain is not None
+        assert packed.numerics.endswith("-lm-q4_1-top16-q8") == (lm_blocks == "q4_1")
         assert all(lin.kind == blocks for i in range(packed.num_heads) for b in packed.head_blocks(i)
                    for lin in (b.linear, b.res_connection) if isinstance(lin, gguf.BlockLinear))
         with torch.inference_mode():
@@ -350,3 +352,36 @@ def test_the_chain_keeps_token_parts_without_changing_a_bit(model):
         for fast, ref in zip(run, slow):
             assert torch.equal(fast[1], ref[1]) and all(torch.equal(a, b) for a, b in zip(fast[0], ref[0]))
             assert torch.equal(fast[2], ref[2])
+
+
+def test_a_q4_1_lm_head_refines_its_best_rows_to_the_q8_0_heads_bits(model):
+    """A draft LM head served in Q4_1 (`lm_blocks`): each call's 16 best logits (an equal value
+    after the earlier index) are the Q8_0 head's own bits on the same input, every other logit the
+    Q4_1 head's; `gguf.q8_0_rows` gives back the Q8_0 blocks it packed."""
+    from entmtp.spec.heads import LM_REFINE
+
+    heads = random_heads(model, "hydra")
+    heads.blocks, heads.lm_blocks = "q4_1", "q4_1"
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+    sample = (torch.randn(60, model.config.hidden_size, generator=torch.Generator().manual_seed(5)), ids)
+    packed = copy.deepcopy(heads).bind(model).pack(sample)
+    plain = copy.deepcopy(heads)
+    plain.lm_blocks = "q8_0"
+    plain = plain.bind(model).pack(sample)
+    coarse = packed._lm_packed[packed._lm_key(0)]
+    fine = plain._lm_packed[plain._lm_key(0)]
+    assert coarse.kind == "q4_1" and fine.kind == "q8_0" and torch.equal(coarse.smooth, fine.smooth)
+    q, d = gguf.q8_0_rows(fine)
+    assert q.shape == (fine.out_features, fine.in_features) and d.shape == (fine.out_features, fine.in_features // 32)
+    again = gguf.pack("q8_0", q, d, None)  # packed back: the very bytes and scales the layer holds
+    assert torch.equal(again[0], fine.qs) and torch.equal(again[1], fine.d)
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    x[4] = x[3]
+    with torch.inference_mode():
+        got, four, eight = packed.lm_logits(0, x), coarse(x), fine(x)
+    for r in range(len(x)):
+        best = torch.sort(four[r], descending=True, stable=True).indices[:LM_REFINE]
+        rest = torch.ones(four.shape[1], dtype=torch.bool)
+        rest[best] = False
+        assert torch.equal(got[r, best], eight[r, best]) and torch.equal(got[r, rest], four[r, rest])
+    assert torch.equal(got[3], got[4])

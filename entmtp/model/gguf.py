@@ -76,6 +76,18 @@ def pack(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -
     return q, scales(d), None if m is None else scales(m)
 
 
+def q8_0_rows(lin: "BlockLinear") -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 `BlockLinear`'s blocks back in rows, as `pack` took them: values int8 [out, in] and
+    scales float16 [out, in / 32] (what `lm_refine` reads a few rows of)."""
+    if lin.kind != "q8_0":
+        raise ValueError(f"q8_0_rows: a {lin.kind} layer")
+    groups, blocks = lin.qs.shape[:2]
+    q = lin.qs.view(groups, blocks, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups * GROUP, blocks * _BLOCK)
+    q = (q[: lin.out_features] ^ 0x80).view(torch.int8).contiguous()
+    d = lin.d.permute(0, 2, 1).reshape(groups * GROUP, blocks)[: lin.out_features].contiguous()
+    return q, d
+
+
 class GGUFLinear(nn.Module):
     """A bias-free linear layer whose weight is kept as GGUF blocks (Q4_1 or Q8_0), repacked for
     the CPU kernels (`pack`); it shares the float32 Parameter it replaces, which

@@ -24,12 +24,15 @@ WEIGHTS_FILE = "heads.safetensors"
 
 def build_heads(cfg: dict[str, Any], base_config: Any = None) -> DraftHeads:
     """Heads from a config dict as written by `config_dict()` (our format). `blocks` (optional,
-    default Q8_0) is the GGUF block kind their linears are served in on a CPU (`DraftHeads.pack`)."""
-    blocks = cfg.get("blocks", "q8_0")
-    if blocks not in gguf.HEAD_BLOCKS:
-        raise HeadsError(f"heads config: unknown blocks {blocks!r} (expected one of {', '.join(gguf.HEAD_BLOCKS)})")
+    default Q8_0) is the GGUF block kind their linears are served in on a CPU (`DraftHeads.pack`);
+    `lm_blocks` (optional, default Q8_0) their LM head's (Q4_1: its best rows refined in Q8_0)."""
+    kinds = {}
+    for key in ("blocks", "lm_blocks"):
+        kinds[key] = cfg.get(key, "q8_0")
+        if kinds[key] not in gguf.HEAD_BLOCKS:
+            raise HeadsError(f"heads config: unknown {key} {kinds[key]!r} (expected one of {', '.join(gguf.HEAD_BLOCKS)})")
     heads = _build(cfg, base_config)
-    heads.blocks = blocks
+    heads.blocks, heads.lm_blocks = kinds["blocks"], kinds["lm_blocks"]
     return heads
 
 

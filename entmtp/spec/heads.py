@@ -22,6 +22,10 @@ from torch import nn
 from entmtp.model import gguf, kernels
 from entmtp.model import kv
 
+# A draft LM head served in Q4_1 ranks its rows; its best this many of each call are computed again
+# from the Q8_0 rows (`DraftHeads.lm_logits`): the head's top tokens and their logits as Q8_0 gives
+# them, for the bytes of Q4_1 (docs/kernels.md, *Sixth part*)
+LM_REFINE = 16
 
 
 class HeadsError(ValueError):
@@ -77,6 +81,10 @@ class DraftHeads(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # set by pack(): the heads' activations
         self.numerics = "float32"  # set by pack(): how the heads compute (q4_1-blocks, int8-rows, packed-bfloat16, ...)
         self.blocks = "q8_0"  # the GGUF block kind pack() serves the linears in where the extension does (heads.json "blocks")
+        # the LM head's block kind on GGUF blocks (heads.json "lm_blocks"): Q8_0, or Q4_1 with its best
+        # LM_REFINE rows of each call computed again in Q8_0 (`lm_logits`)
+        self.lm_blocks = "q8_0"
+        self._lm_fine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # set by pack(): those rows
         self.parted = True  # pack() serves a widened ResBlock's linears in parts (`gguf.PartedLinear`); False: whole (probes)
         self._embed_probe: tuple[Path, torch.Tensor, torch.Tensor] | None = None  # set by load_heads (Hydra)
 
@@ -151,7 +159,15 @@ class DraftHeads(nn.Module):
             lin = self._base["lm_head"] if self.shared_lm_head else self.own_lm_head(i)
             return lin(x)
         if self._lm_packed is not None:
-            return self._lm_packed[self._lm_key(i)](x)
+            lin = self._lm_packed[self._lm_key(i)]
+            z = lin(x)
+            fine = self._lm_fine.get(self._lm_key(i))
+            if fine is not None:  # its best rows again in Q8_0, on the input the Q4_1 product read
+                xs = x.float() if lin.smooth is None else x.float() * lin.smooth
+                z = z.contiguous()
+                bias = torch.empty(0) if lin.bias is None else lin.bias
+                gguf.extension().lm_refine(xs.reshape(-1, xs.shape[-1]).contiguous(), z.view(-1, z.shape[-1]), *fine, bias, LM_REFINE)
+            return z
         return F.linear(x, *self._lm_weights(i))
 
     def pack(self, sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DraftHeads":
@@ -217,15 +233,21 @@ class DraftHeads(nn.Module):
         if blocks:
             parted = any(isinstance(m, gguf.PartedLinear) for m in self.modules())
             self.numerics = ("q8" if self.blocks == "q8_0" else self.blocks) + "-blocks" + ("-smoothed" if seen else "") + ("-parted" if parted else "")
+            if self.lm_blocks == "q4_1":
+                self.numerics += f"-lm-q4_1-top{LM_REFINE}-q8"
         else:
             self.numerics = ("int8-rows" + ("-smoothed" if seen else "")) if int8 else f"packed-{str(dtype).removeprefix('torch.')}"
-        self._lm_packed = {}
+        self._lm_packed, self._lm_fine = {}, {}
         for i in range(self.num_heads):
             if self._lm_key(i) not in self._lm_packed:
                 weight, bias = lm_rows[self._lm_key(i)]
                 if int8:  # the LM head in Q8_0 whatever `blocks`: the base model's tied head is Q8_0 (its rows
                     # exact there), and in Q4_1 the drafts lost 1-2% of their acceptance (docs/kernels.md)
-                    self._lm_packed[self._lm_key(i)] = quantized(weight, bias, seen.get(("lm", self._lm_key(i))), "q8_0")
+                    absmax = seen.get(("lm", self._lm_key(i)))
+                    self._lm_packed[self._lm_key(i)] = quantized(weight, bias, absmax, "q8_0")
+                    if blocks and self.lm_blocks == "q4_1":  # the Q4_1 head ranks, its best rows come from the Q8_0 one
+                        self._lm_fine[self._lm_key(i)] = gguf.q8_0_rows(self._lm_packed[self._lm_key(i)])
+                        self._lm_packed[self._lm_key(i)] = quantized(weight, bias, absmax, "q4_1")
                 else:
                     bias = None if bias is None else bias.to(dtype)
                     self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
@@ -266,7 +288,10 @@ class DraftHeads(nn.Module):
             return None
         lm_rows = self._lm_packed[self._lm_key(0)].out_features
         isa = gguf.ISA_CODES[self._lm_packed[self._lm_key(0)].isa]
-        return gguf.extension().HeadChain(heads, lm, embed, self.draft_vocab, self.hidden_size, lm_rows, isa)
+        chain = gguf.extension().HeadChain(heads, lm, embed, self.draft_vocab, self.hidden_size, lm_rows, isa)
+        if self._lm_fine:
+            chain.set_refine([self._lm_fine[self._lm_key(i)] for i in range(self.num_heads)], LM_REFINE)
+        return chain
 
     def head_blocks(self, i: int) -> list[ResBlock]:
         """Head i's ResBlocks, in order."""
@@ -463,6 +488,7 @@ class HydraHeads(DraftHeads):
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "blocks": self.blocks,
+            **({"lm_blocks": self.lm_blocks} if self.lm_blocks != "q8_0" else {}),
         }
 
 
@@ -502,6 +528,7 @@ class MedusaHeads(DraftHeads):
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "blocks": self.blocks,
+            **({"lm_blocks": self.lm_blocks} if self.lm_blocks != "q8_0" else {}),
         }
 
 

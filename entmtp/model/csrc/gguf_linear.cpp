@@ -666,3 +666,50 @@ at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, i
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int64_t q8, int64_t isa) {
   return linear(x, packed(q, d, c10::nullopt, N, 8), q8, isa);
 }
+
+void refine_row(const float* xs, float* z, int64_t N, int64_t K, const int8_t* q8, const at::Half* d8, const float* bias, int64_t k) {
+  k = std::min(k, N);
+  if (k <= 0) return;
+  // the k largest, best first, an equal value after the earlier ones (as `head_top` keeps them)
+  float val[kMaxRefine];
+  int64_t at[kMaxRefine], kept = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float v = z[i];
+    if (!(v == v) || (kept == k && !(v > val[k - 1]))) continue;
+    int64_t j = kept < k ? kept++ : k - 1;
+    for (; j > 0 && val[j - 1] < v; --j) val[j] = val[j - 1], at[j] = at[j - 1];
+    val[j] = v, at[j] = i;
+  }
+  // the input in Q8 blocks, as every Q8 product quantises it (the scalar and vector code agree bit for bit)
+  const int64_t blocks = K / kBlock;
+  std::vector<int8_t> xq(K);
+  std::vector<float> dx(blocks);
+  for (int64_t b = 0; b < blocks; ++b) block_scalar(xs + b * kBlock, xq.data() + b * kBlock, dx.data() + b);
+  for (int64_t j = 0; j < kept; ++j) {
+    const int64_t n = at[j];
+    const int8_t* w = q8 + n * K;
+    float acc = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {  // finish_scalar's order and rounding: the Q8_0 product's own bits
+      int32_t isum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) isum += static_cast<int32_t>(w[b * kBlock + i]) * xq[b * kBlock + i];
+      acc = std::fma(static_cast<float>(isum), half_to_float(d8 + n * blocks + b) * dx[b], acc);
+    }
+    z[n] = bias != nullptr ? acc + bias[n] : acc;
+  }
+}
+
+void lm_refine(at::Tensor xs, at::Tensor z, at::Tensor q8, at::Tensor d8, at::Tensor bias, int64_t k) {
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat && xs.is_contiguous() && z.is_contiguous() && xs.dim() == 2 &&
+                  z.dim() == 2 && xs.size(0) == z.size(0),
+              "lm_refine: float32 inputs [M, K] and logits [M, N], contiguous");
+  const int64_t M = xs.size(0), K = xs.size(1), N = z.size(1);
+  TORCH_CHECK(K % kBlock == 0 && q8.scalar_type() == at::kChar && q8.is_contiguous() && q8.dim() == 2 && q8.size(0) == N && q8.size(1) == K,
+              "lm_refine: the Q8_0 rows must be int8 [", N, ", ", K, "]");
+  TORCH_CHECK(d8.scalar_type() == at::kHalf && d8.is_contiguous() && d8.numel() == N * (K / kBlock), "lm_refine: the Q8_0 scales must be float16 [N, K/32]");
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "lm_refine: the bias must be float32 [N] or empty");
+  TORCH_CHECK(k >= 0 && k <= kMaxRefine, "lm_refine: 0 to ", kMaxRefine, " rows refined");
+  const float* bp = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < M; ++r)
+    refine_row(xs.data_ptr<float>() + r * K, z.data_ptr<float>() + r * N, N, K, q8.data_ptr<int8_t>(), d8.data_ptr<at::Half>(), bp, k);
+}

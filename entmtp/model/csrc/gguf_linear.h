@@ -25,5 +25,14 @@ inline float hsum(__m256 v) {
 
 at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, int64_t q8, int64_t isa);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int64_t q8, int64_t isa);
+// A draft LM head served in Q4_1 (`z`, its logits over N rows) with its best `k` rows computed again
+// from the same rows in Q8_0: `q8` int8 [N, K] and `d8` float16 [N, K/32] (row-major), `bias`
+// float32 [N] or empty; `xs` the input already divided by the smoothing. Each of those outputs
+// is the Q8_0 product's own bits (the finish of `q8_0_linear`), its bias added after. The k are
+// the largest of z, an equal value after the earlier index (NaN never chosen); z is changed in place.
+void refine_row(const float* xs, float* z, int64_t N, int64_t K, const int8_t* q8, const at::Half* d8, const float* bias, int64_t k);
+// `refine_row` for each row of xs [M, K] and z [M, N] (float32, contiguous).
+void lm_refine(at::Tensor xs, at::Tensor z, at::Tensor q8, at::Tensor d8, at::Tensor bias, int64_t k);
+constexpr int64_t kMaxRefine = 64;
 std::vector<std::string> isas();
 double int8_peak(int64_t isa, int64_t iters);

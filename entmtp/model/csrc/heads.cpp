@@ -173,6 +173,20 @@ const float* HeadChain::token_part(int64_t i, int64_t j, int64_t token) const {
   return it->second.data();
 }
 
+void HeadChain::set_refine(std::vector<std::pair<at::Tensor, at::Tensor>> rows, int64_t k) {
+  TORCH_CHECK(rows.empty() || rows.size() == lm.size(), "HeadChain: Q8_0 rows for every LM head or none");
+  TORCH_CHECK(k >= 0 && k <= kMaxRefine, "HeadChain: 0 to ", kMaxRefine, " rows refined");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& [q, d] = rows[i];
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 2 && q.size(0) == lm[i].out && q.size(1) == hidden &&
+                    d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == lm[i].out * (hidden / 32),
+                "HeadChain: LM head ", i, "'s Q8_0 rows must be int8 [", lm[i].out, ", ", hidden, "] with float16 scales [", lm[i].out, ", ",
+                hidden / 32, "]");
+  }
+  refine_rows = std::move(rows);
+  refine_k = refine_rows.empty() ? 0 : k;
+}
+
 std::tuple<int64_t, int64_t, int64_t> HeadChain::kept() const {
   std::lock_guard<std::mutex> hold(kept_lock);
   return {static_cast<int64_t>(kept_parts.size()), kept_hits, kept_misses};
@@ -237,6 +251,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
       h = hidden_of(d, x);
     }
     auto z = lm[d](h, isa);  // (1, K)
+    if (refine_k > 0) {  // DraftHeads.lm_logits: its best rows again in Q8_0, on the input the LM head read
+      const Linear& l = lm[d];
+      at::Tensor xs = h.contiguous();
+      if (present(l.inv_smooth)) {
+        xs = at::empty_like(h);
+        const float *a = h.data_ptr<float>(), *sm = l.inv_smooth.data_ptr<float>();
+        float* o = xs.data_ptr<float>();
+        for (int64_t k = 0; k < hidden; ++k) o[k] = a[k] * sm[k];
+      }
+      z = z.contiguous();
+      refine_row(xs.data_ptr<float>(), z.data_ptr<float>(), l.out, hidden, refine_rows[d].first.data_ptr<int8_t>(),
+                 refine_rows[d].second.data_ptr<at::Half>(), present(l.bias) ? l.bias.data_ptr<float>() : nullptr, refine_k);
+    }
     // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
     auto top1 = [&]() -> int64_t {
       const auto p = at::softmax(z, -1).contiguous();

@@ -69,6 +69,11 @@ struct HeadChain {
                                            double settle = 0.0, bool strict = false, int64_t settled_depth = -1,
                                            int64_t unsettled_depth = -1, bool ranked = false) const;
 
+  // Each LM head served in Q4_1 with its best `k` rows computed again in Q8_0 (`gguf_linear.h`,
+  // `refine_row`): per head, its rows in Q8_0 (int8 [K, hidden], float16 [K, hidden / 32]), as
+  // `DraftHeads.lm_logits` refines them. Empty (the default): the LM heads' logits as they come.
+  void set_refine(std::vector<std::pair<at::Tensor, at::Tensor>> rows, int64_t k);
+
   // The token parts kept so far: (entries, hits, misses); `clear_kept` forgets them.
   std::tuple<int64_t, int64_t, int64_t> kept() const;
   void clear_kept() const;
@@ -87,6 +92,9 @@ struct HeadChain {
   // Each token part as computed: a function of (head, part, token) alone, so keeping it changes
   // no bit. Bounded: past kKeptBytes all are forgotten at once. Two decodes (the app's race) share
   // the heads, so the map is locked.
+  std::vector<std::pair<at::Tensor, at::Tensor>> refine_rows;
+  int64_t refine_k = 0;
+
   static constexpr int64_t kKeptBytes = int64_t(256) << 20;
   mutable std::mutex kept_lock;
   mutable std::unordered_map<uint64_t, std::vector<float>> kept_parts;

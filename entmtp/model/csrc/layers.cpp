@@ -743,6 +743,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 [rows, n] tensor, the same indices");
   mod.def("confidence", &confidence, "policy.confidence of float32 logits: (p0, entropy) of their softmax");
   mod.def("head_top", &head_top, "phrasebook.head_top of float32 logits: the k best log-softmax values and their indices");
+  mod.def("lm_refine", &lm_refine, "a Q4_1 LM head's best k logits of each row computed again in Q8_0, in place (xs, z, q8, d8, bias, k)");
   mod.def("keep_entries", &keep_entries, "a tree step's accepted KV entries moved in place (buffers, past, accepted)");
   pybind11::class_<Stack>(mod, "Stack")
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool, int64_t>())
@@ -771,7 +772,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false, pybind11::arg("settled_depth") = -1,
           pybind11::arg("unsettled_depth") = -1)
       .def("kept", &HeadChain::kept, "the token parts kept: (entries, hits, misses)")
-      .def("clear_kept", &HeadChain::clear_kept, "forget the token parts kept");
+      .def("clear_kept", &HeadChain::clear_kept, "forget the token parts kept")
+      .def("set_refine", &HeadChain::set_refine, "each LM head's best k rows computed again in Q8_0 (rows per head, k)");
   pybind11::class_<PhraseBook, std::shared_ptr<PhraseBook>>(mod, "PhraseBook")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t>());
   pybind11::class_<PhraseForcer>(mod, "PhraseForcer")

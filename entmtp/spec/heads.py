@@ -172,7 +172,8 @@ class DraftHeads(nn.Module):
 
     def pack(self, sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DraftHeads":
         """Inference on a CPU: every head linear in GGUF blocks (`gguf.BlockLinear`, Q8 inputs;
-        the ResBlocks' weights of kind `self.blocks`, Q4_1 or Q8_0, the LM head's Q8_0) where the
+        the ResBlocks' weights of kind `self.blocks`, Q4_1 or Q8_0, the LM head's Q8_0, or Q4_1
+        with its best rows refined in Q8_0 where `self.lm_blocks` says so) where the
         extension serves, else in row-wise int8 (`kernels.Int8RowLinear`). Once per bound heads:
         packing replaces their float linears.
 
@@ -242,7 +243,8 @@ class DraftHeads(nn.Module):
             if self._lm_key(i) not in self._lm_packed:
                 weight, bias = lm_rows[self._lm_key(i)]
                 if int8:  # the LM head in Q8_0 whatever `blocks`: the base model's tied head is Q8_0 (its rows
-                    # exact there), and in Q4_1 the drafts lost 1-2% of their acceptance (docs/kernels.md)
+                    # exact there), and in Q4_1 alone the drafts lost 1-2% of their acceptance (docs/kernels.md);
+                    # `lm_blocks` = Q4_1 ranks in Q4_1 and takes each call's best rows from the Q8_0 head
                     absmax = seen.get(("lm", self._lm_key(i)))
                     self._lm_packed[self._lm_key(i)] = quantized(weight, bias, absmax, "q8_0")
                     if blocks and self.lm_blocks == "q4_1":  # the Q4_1 head ranks, its best rows come from the Q8_0 one

@@ -29,7 +29,7 @@ ROW_FIELDS = ("task", "method", "tokens_per_s", "predicted_tokens_per_s", "measu
               "mean_accepted", "ms_per_step", "phase_ms_per_step", "draft_share", "prompts", "tokens")
 TAU = "entmtp-tau"
 DASH = "–"
-GLANCE_RUNS = 20  # BENCHMARKS.md's glance lists this many of the latest runs; HISTORY.md's lists every run
+GLANCE_RUNS = 14  # BENCHMARKS.md's glance lists this many of the latest runs; HISTORY.md's lists every run
 
 INTRO = f"""# Benchmarks
 
@@ -764,10 +764,20 @@ def _natural(path: Path) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", Path(path).stem)]  # stem: x.json before x-2.json
 
 
+def _run_order(path: Path) -> list:
+    """Sort key of a bench record: its date, then its run number (`runN` in the name), so that the
+    runs of one day on different machines keep the order they ran in; names as `_natural` after."""
+    import re
+
+    stem = Path(path).stem
+    m = re.search(r"run(\d+)", stem)
+    return [stem[:10], int(m[1]) if m else -1, *_natural(path)]
+
+
 def committed(root: Path = ROOT) -> dict[str, list]:
     """Every committed result the pages are rendered from, read and checked."""
     bench = root / "benchmarks"
-    runs = [read_run(f, root) for f in sorted(bench.glob("*.json"), key=_natural)]
+    runs = [read_run(f, root) for f in sorted(bench.glob("*.json"), key=_run_order)]
     if not runs:
         raise ReportError(f"no results files in {bench}")
     return {"runs": runs,

@@ -191,6 +191,10 @@ def test_the_default_model_traces_what_its_shipped_bank_traced(tmp_path):
     from entmtp.bank.bank import load_bank
 
     shipped = load_bank(bank_path(DEFAULT_MODEL, "code"))
+    traced_on, here = shipped.meta["provenance"]["base_kernels"], bank.meta["provenance"]["base_kernels"]
+    if traced_on != here:  # measured 2026-12-06: an AVX2-only AMD EPYC Zen 3 gives other p0 and entropy than the
+        # AVX-512 Xeon the shipped banks were traced on (docs/kernels.md, Sixth part): not yet machine-independent
+        pytest.skip(f"the shipped traces were recorded on {traced_on}, this machine serves {here}: their bits differ across instruction sets")
     assert bank.meta["provenance"]["phrasebook"] == shipped.meta["provenance"]["phrasebook"]
     depth = len(bank.traces[0].ranks[0])
     for new, old in zip(bank.traces, shipped.traces[:2]):

@@ -40,20 +40,20 @@ static at::Tensor cat2(const at::Tensor& a, const at::Tensor& c) { return presen
 
 static bool one_row(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == 1; }
 
+at::Tensor HeadChain::Linear::smoothed(const at::Tensor& x) const {
+  if (!present(inv_smooth)) return x;
+  if (!one_row(x)) return at::mul(x, inv_smooth);
+  auto xs = at::empty_like(x);
+  const float *a = x.data_ptr<float>(), *s = inv_smooth.data_ptr<float>();
+  float* o = xs.data_ptr<float>();
+  for (int64_t k = 0, n = x.numel(); k < n; ++k) o[k] = a[k] * s[k];
+  return xs;
+}
+
 at::Tensor HeadChain::Linear::operator()(const at::Tensor& x, int64_t isa) const {
   // BlockLinear.forward: x * (1 / smooth), the product on Q8 inputs, + bias
   const bool row = one_row(x);
-  at::Tensor xs = x;
-  if (present(inv_smooth)) {
-    if (row) {
-      xs = at::empty_like(x);
-      const float *a = x.data_ptr<float>(), *s = inv_smooth.data_ptr<float>();
-      float* o = xs.data_ptr<float>();
-      for (int64_t k = 0, n = x.numel(); k < n; ++k) o[k] = a[k] * s[k];
-    } else {
-      xs = at::mul(x, inv_smooth);
-    }
-  }
+  const at::Tensor xs = smoothed(x);
   auto y = present(m) ? q4_1_linear(xs, qs, d, m, out, kQ8Always, isa) : q8_0_linear(xs, qs, d, out, kQ8Always, isa);
   if (!present(bias)) return y;
   if (!row || !one_row(y)) return at::add(y, bias);
@@ -253,13 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
     auto z = lm[d](h, isa);  // (1, K)
     if (refine_k > 0) {  // DraftHeads.lm_logits: its best rows again in Q8_0, on the input the LM head read
       const Linear& l = lm[d];
-      at::Tensor xs = h.contiguous();
-      if (present(l.inv_smooth)) {
-        xs = at::empty_like(h);
-        const float *a = h.data_ptr<float>(), *sm = l.inv_smooth.data_ptr<float>();
-        float* o = xs.data_ptr<float>();
-        for (int64_t k = 0; k < hidden; ++k) o[k] = a[k] * sm[k];
-      }
+      const at::Tensor xs = l.smoothed(h).contiguous();
       z = z.contiguous();
       refine_row(xs.data_ptr<float>(), z.data_ptr<float>(), l.out, hidden, refine_rows[d].first.data_ptr<int8_t>(),
                  refine_rows[d].second.data_ptr<at::Half>(), present(l.bias) ? l.bias.data_ptr<float>() : nullptr, refine_k);

@@ -18,6 +18,8 @@ struct HeadChain {
     at::Tensor qs, d, m, inv_smooth, bias;
     int64_t out;
     at::Tensor operator()(const at::Tensor& x, int64_t isa) const;
+    // x * (1 / smooth) as BlockLinear.forward divides its input (x itself where there is no smoothing)
+    at::Tensor smoothed(const at::Tensor& x) const;
   };
   // A ResBlock: res(x) + silu(lin(x)); `res.qs` empty for the identity. Where both linears read
   // the input alike (the same smoothing, the same block kind), `both` holds their blocks side by
@@ -89,12 +91,13 @@ struct HeadChain {
   // part j (>= 1) of head i's first block on E(token): 2 hidden outputs, computed once a token
   const float* token_part(int64_t i, int64_t j, int64_t token) const;
 
-  // Each token part as computed: a function of (head, part, token) alone, so keeping it changes
-  // no bit. Bounded: past kKeptBytes all are forgotten at once. Two decodes (the app's race) share
-  // the heads, so the map is locked.
+  // `set_refine`'s rows per LM head and k (0: none refined)
   std::vector<std::pair<at::Tensor, at::Tensor>> refine_rows;
   int64_t refine_k = 0;
 
+  // Each token part as computed: a function of (head, part, token) alone, so keeping it changes
+  // no bit. Bounded: past kKeptBytes all are forgotten at once. Two decodes (the app's race) share
+  // the heads, so the map is locked.
   static constexpr int64_t kKeptBytes = int64_t(256) << 20;
   mutable std::mutex kept_lock;
   mutable std::unordered_map<uint64_t, std::vector<float>> kept_parts;

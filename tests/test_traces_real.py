@@ -96,3 +96,53 @@ def test_phrasebook_drafts_simulate_exactly():
     assert len(set(real_picks)) > 1, "the τ policy should switch on these thresholds"
     agree = sum(a == b for a, b in zip(real_picks, sim_picks)) / max(len(real_picks), len(sim_picks))
     assert agree >= 0.9 and abs(len(real_picks) - len(sim_picks)) <= 2, (agree, len(real_picks), len(sim_picks))
+
+
+_TRACE_SCRIPT = """
+import hashlib, json, torch
+torch.set_num_threads(1)
+from entmtp.bank import record as rec
+from entmtp.config import ModelConfig
+from entmtp.data.prompts import prompts
+from entmtp.model import serve
+from entmtp.runtime.runtime import load_runtime
+rt = load_runtime(ModelConfig())
+heads = rt.heads("hydra")
+blocks = hashlib.sha256()
+for module in heads.modules():
+    for name in ("qs", "d", "m", "smooth", "bias"):
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor):
+            blocks.update(t.contiguous().numpy().tobytes())
+ids = [rt.encode(p) for p in prompts("chat", "calib", 1)]
+traces = rec.record_all(rt.engine, heads, ids, 40, 4, book=rt.phrasebook(), rule=rt.phrasebook_rule())
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "base": serve.label(rt.model), "heads": heads.numerics,
+                  "blocks": blocks.hexdigest(), "traces": [t.to_json() for t in traces]}))
+"""
+
+
+def test_traces_do_not_follow_atens_vector_width():
+    """A bank's traces (the base model's p0 and entropy, the heads' blocks, ranks and chain, with
+    the phrasebook's reranker) are the same bits whatever vector width ATen dispatches to: ATen's
+    softmax, log-softmax and SiLU sum in the order of their width (AVX-512 on a Xeon, AVX2 on an
+    AMD EPYC Zen 3, scalar with ATEN_CPU_CAPABILITY=default), and the shipped traces recorded on one
+    differed on the other, so the served path computes them in the extension instead. Here ATen
+    runs at this CPU's width and at the scalar one; the extension's kernels are the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(capability: str | None) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    wide, scalar = run(None), run("default")
+    assert wide["aten"] in ("AVX2", "AVX512") and scalar["aten"] == "DEFAULT"
+    assert wide["base"] == scalar["base"] and "blocks" in wide["heads"]  # the same kernels serve both
+    assert wide["blocks"] == scalar["blocks"]
+    assert wide["traces"] == scalar["traces"]

@@ -13,7 +13,7 @@ from entmtp.model import forward
 from entmtp.spec.engine import Strategy, collect
 from entmtp.spec.heads import DraftHeads, head_features
 from entmtp.spec.phrasebook import Phrasebook, Rule, force_row, forcer, spine_first
-from entmtp.spec.policy import StaticPolicy
+from entmtp.spec.policy import StaticPolicy, confidence_rows
 from entmtp.spec.topology import compile_tree
 from entmtp.bank.traces import WIDTH, Trace
 
@@ -40,10 +40,7 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
             for a, b in ((0, L), (L, seq.shape[1])) if b > a]
     hidden, logits = torch.cat([h for h, _ in outs]), torch.cat([z for _, z in outs])
     feats = head_features(heads, hidden)[L - 1 :]  # (N, H): feature at the last committed token of each step
-    logp = torch.log_softmax(logits[L - 1 :].float(), -1)  # (N, V)
-    probs = logp.exp()
-    p0 = probs.max(-1).values
-    entropy = torch.nan_to_num(-(probs * logp).sum(-1))
+    p0, entropy = confidence_rows(logits[L - 1 :])  # what the engine reads at each step, the same bits
 
     cont = torch.tensor(continuation, device=device)
     inverse = draft_index(heads, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
@@ -69,18 +66,18 @@ def record(engine, heads: DraftHeads, prompt: list[int], continuation: list[int]
             r = torch.where((outside >= 0) & (true == outside), torch.zeros_like(r), r)
             ranks[: len(rows), d] = torch.where(r < width, r, torch.full_like(r, -1)).cpu()
         z = heads.head_logits(d, feats, top_path).float()  # (N, K) along the heads' own chain
-        p, idx = torch.softmax(z, -1).max(-1)
+        p, idx = heads.top1(z)
         token = heads.to_token_ids(idx)
         if book is not None:  # the chain goes on through the phrasebook's first; p is the drafter's where it gives one
             forced, q, first = _forced(book, rule, heads, prompt, continuation, z, top_path.tolist(), [True] * n)
-            idx = torch.softmax(forced, -1).max(-1)[1]
+            idx = heads.top1(forced)[1]
             first = torch.tensor(first, dtype=torch.long, device=device)
             token = torch.where(first >= 0, first, heads.to_token_ids(idx))
             q = torch.tensor(q, dtype=p.dtype, device=p.device)
             p = torch.where(q >= 0, q, p)
         chain[:, d] = p.cpu()
         top_path = torch.cat([top_path, token[:, None]], dim=1)
-    return Trace(L, ranks.tolist(), p0.tolist(), entropy.tolist(), chain.tolist())
+    return Trace(L, ranks.tolist(), p0, entropy, chain.tolist())
 
 
 def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], continuation: list[int],
@@ -92,7 +89,7 @@ def _forced(book: Phrasebook, rule: Rule, heads: DraftHeads, prompt: list[int], 
     the prompt and c[:i], as the engine's is at that step."""
     text = book.context(prompt)
     force = forcer(text, rule, heads.draft_vocab)
-    probs = torch.softmax(z, -1).max(-1).values.tolist()
+    probs = heads.top1(z)[0].tolist()
     out, held, conf, first = z, 0, [-1.0] * len(active), [-1] * len(active)
     for i, on in enumerate(active):
         if not on:

@@ -24,6 +24,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_linear.cpp",
 # AVX2 is the floor the extension is built for; the AVX-512 VNNI kernels carry their own target
 # attributes and run only where the CPU reports them (`isas`). No contraction: d * q + m as numpy
 # rounds it, and the Q8 finish's multiply and fma exactly as the scalar reference writes them.
+FLOOR = {"avx2", "fma", "f16c"}  # what FLAGS compile for, as /proc/cpuinfo names it
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 ISA_ENV = "ENTMTP_ISA"  # force an instruction-set path for the Q8 products: scalar | avx2 | avx512_vnni
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
@@ -41,7 +42,10 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
         return f"{GGUF_ENV}={os.environ[GGUF_ENV]}"
     if torch.device(device).type != "cpu":
         return "they run on CPUs only"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    flags = set(cpu_info()[1])
+    if flags and not FLOOR <= flags:  # the CPU's own flags, not ATen's dispatch (ATEN_CPU_CAPABILITY may lower that)
+        return f"this CPU lacks {', '.join(sorted(FLOOR - flags))} (the extension's floor: AVX2, FMA, F16C)"
+    if not flags and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"this CPU has no AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return "no C++ compiler (c++ or g++) to build them"

@@ -55,7 +55,7 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
             depth, settle = max(depth, then[1]), None
     tokens = getattr(prefix, "tokens", None)
     if tokens is None or len(tokens) != len(logits):  # the prefix's top-1 tokens, picked exactly as `top1_logits` picks them
-        tokens = [int(heads.to_token_ids(torch.softmax(row.float(), -1).max(-1)[1])) for row in logits]
+        tokens = [int(heads.to_token_ids(heads.top1(row)[1])) for row in logits]
     path = [root] + list(tokens)  # the root and the prefix's tokens: the extension takes the list as it is
     more, p, picked = _top1(heads, feature, path, depth, force, settle, then)
     return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
@@ -93,7 +93,7 @@ def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor | list[in
     d, target = path.shape[1] - 1, depth
     while d < target:
         row = heads.head_logits(d, h, path)[0]  # (K,)
-        p, idx = torch.softmax(row.float(), -1).max(-1)
+        p, idx = heads.top1(row)
         forced, q = force(path[0].tolist(), float(p), row) if force is not None else ([], -1.0)
         token = heads.to_token_ids(idx).view(1)
         if forced:

@@ -54,7 +54,11 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.weight)  # starts as (a projection of) the identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.res_connection(x) + F.silu(self.linear(x))
+        y = self.linear(x)
+        native = self.__dict__.get("_native")  # set by DraftHeads.pack on blocks: the extension's SiLU, the chain's
+        if native is not None and y.dtype == torch.float32 and y.device.type == "cpu" and not torch.is_grad_enabled():
+            return self.res_connection(x) + native.silu(y)
+        return self.res_connection(x) + F.silu(y)
 
 
 class DraftHeads(nn.Module):
@@ -254,6 +258,13 @@ class DraftHeads(nn.Module):
                     bias = None if bias is None else bias.to(dtype)
                     self._lm_packed[self._lm_key(i)] = kernels.PackedLinear(weight.to(dtype), bias)
         self._lm_cache = {}  # the packed copies replace the float32 slices
+        # on blocks, SiLU and the top-1 probability are the extension's (`ResBlock.forward`, `top1`),
+        # in the modules as in the chain: one order of operations on every CPU, where ATen's
+        # follows its vector width (a bank's traces then hold the same bits wherever they are recorded)
+        self.__dict__["_native"] = gguf.extension() if blocks else None
+        for m in self.modules():
+            if isinstance(m, ResBlock):
+                m.__dict__["_native"] = self.__dict__["_native"]
         self._chain = self._chain_on_blocks() if blocks else None
         return self
 
@@ -346,6 +357,15 @@ class DraftHeads(nn.Module):
         finally:
             self.to(dtype)
         return dict(seen)
+
+    def top1(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """softmax(z).max(-1) of logits (..., K): (top-1 probability float32, its index). On blocks,
+        the extension's (`top1_rows`: the first maximal logit, 1 / sum exp(z - max) in one order on
+        every CPU), which the chain computes too; elsewhere ATen's."""
+        native = self.__dict__.get("_native")
+        if native is not None and z.device.type == "cpu":
+            return native.top1_rows(z.float())
+        return torch.softmax(z.float(), -1).max(-1)
 
     def to_token_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices back to token ids."""

@@ -40,6 +40,15 @@ def confidence(z: torch.Tensor) -> tuple[float, float]:
     return p0, (0.0 if math.isnan(entropy) else entropy)
 
 
+def confidence_rows(z: torch.Tensor) -> tuple[list[float], list[float]]:
+    """`confidence` of each row of the base logits z (N, V): (p0, entropy) per position, as the
+    engine reads them at each step (a bank's traces: the same bits)."""
+    if z.shape[0] == 0:
+        return [], []
+    p0, entropy = zip(*(confidence(row) for row in z.float().unbind(0)))
+    return list(p0), list(entropy)
+
+
 def path_value(p0: float, chain_probs: list[float]) -> float:
     """g_D = p0 * p_1 * ... * p_D: how confident the heads are along their top-1 path."""
     g = p0

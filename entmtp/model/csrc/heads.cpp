@@ -3,8 +3,9 @@
 // vocabulary, the top-1 token and its probability, the token appended to the path the next head
 // reads.
 //
-// Every elementwise step is the ATen operation the Python modules run (the input smoothing, the
-// bias, SiLU, the residual, softmax and its maximum) and every product the same block kernel,
+// Every elementwise step is the operation the Python modules run (ATen's input smoothing, bias and
+// residual; the extension's SiLU and softmax maximum, `silu_row` and `top1_row`, which the modules
+// on blocks call too) and every product the same block kernel,
 // so the chain computes the very bits `drafting.top1_logits` computes through the modules, and a
 // bank's traces (the modules over hundreds of positions at once: each row alone in the kernel)
 // stay exact. What goes is the Python between the operations: a few hundred microseconds a step.
@@ -18,8 +19,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
-#include <ATen/ops/softmax.h>
 
 #include <algorithm>
 #include <cstring>
@@ -28,6 +27,14 @@
 namespace {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// ResBlock's SiLU on blocks (`silu_row`) into a new row
+at::Tensor silu_of(const at::Tensor& x) {
+  const auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  silu_row(xc.data_ptr<float>(), xc.numel(), y.data_ptr<float>());
+  return y;
+}
 
 }  // namespace
 
@@ -135,7 +142,7 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
 }
 
 at::Tensor HeadChain::res_silu(const at::Tensor& y) const {
-  return add_rows(y.narrow(1, hidden, hidden), at::silu(y.narrow(1, 0, hidden)));
+  return add_rows(y.narrow(1, hidden, hidden), silu_of(y.narrow(1, 0, hidden)));
 }
 
 at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
@@ -147,7 +154,7 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
       continue;
     }
     auto r = present(b.res.qs) ? b.res(x, isa) : x;
-    x = add_rows(r, at::silu(b.lin(x, isa)));
+    x = add_rows(r, silu_of(b.lin(x, isa)));
   }
   return x;
 }
@@ -258,11 +265,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
       refine_row(xs.data_ptr<float>(), z.data_ptr<float>(), l.out, hidden, refine_rows[d].first.data_ptr<int8_t>(),
                  refine_rows[d].second.data_ptr<at::Half>(), present(l.bias) ? l.bias.data_ptr<float>() : nullptr, refine_k);
     }
-    // drafting.top1_logits: softmax(row).max(-1), its first maximum (the index torch.max gives)
+    // drafting.top1_logits: DraftHeads.top1 on blocks, the first maximal logit and its probability
     auto top1 = [&]() -> int64_t {
-      const auto p = at::softmax(z, -1).contiguous();
-      const int64_t i = argmax_row(p.data_ptr<float>(), p.numel());
-      probs.data_ptr<float>()[d - first] = p.data_ptr<float>()[i];
+      z = z.contiguous();
+      int64_t i = 0;
+      probs.data_ptr<float>()[d - first] = top1_row(z.data_ptr<float>(), z.numel(), i);
       return i;
     };
     const bool own = ranked && force.has_value();  // the forcer's ranking and probability: no softmax

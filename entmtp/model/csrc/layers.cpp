@@ -14,6 +14,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/argmax.h>
+#include <ATen/ops/max.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -732,6 +734,64 @@ std::tuple<at::Tensor, at::Tensor> head_top(at::Tensor z, int64_t k) {
   return {lp, idx};
 }
 
+// The draft heads' own SiLU and top-1 probability where they are served on blocks: the chain's
+// and the modules' alike, so that a bank's traces and the engine's drafts are the same bits on
+// every CPU. ATen's SiLU and softmax follow its vector width (AVX2 or AVX-512 kernels, chosen by
+// the CPU): the traces recorded on an AVX-512 Xeon and on an AVX2-only AMD EPYC differed in the
+// chain's probabilities by up to 0.7% (one SiLU ulp moves an input's Q8 rounding).
+
+// y = x / (1 + exp(-x)) with exp8, as silu_mul_row computes silu(g); the tail padded to a vector,
+// so an element's bits do not depend on where it lies.
+void silu_row(const float* x, int64_t n, float* y) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  auto silu8 = [&](__m256 v) { return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))); };
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) _mm256_storeu_ps(y + k, silu8(_mm256_loadu_ps(x + k)));
+  if (k < n) {
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, x + k, (n - k) * sizeof(float));
+    _mm256_store_ps(t, silu8(_mm256_load_ps(t)));
+    std::memcpy(y + k, t, (n - k) * sizeof(float));
+  }
+}
+
+at::Tensor silu(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "silu: float32 on the CPU");
+  x = x.contiguous();
+  auto y = at::empty_like(x);
+  silu_row(x.data_ptr<float>(), x.numel(), y.data_ptr<float>());
+  return y;
+}
+
+// softmax(z).max() of n float32 logits: the index of the first maximal logit, and its probability
+// 1 / S with S = sum exp(z_i - max) as `confidence` sums it (within ~1e-6 of ATen's). A NaN or an
+// infinity goes to ATen's softmax, as `confidence` would give NaN.
+float top1_row(const float* z, int64_t n, int64_t& idx) {
+  bool has_nan = false;
+  const float m = max_row(z, n, has_nan);
+  if (has_nan || std::isinf(m)) {
+    const auto best = at::softmax(at::from_blob(const_cast<float*>(z), {n}, at::kFloat), -1).max(0);
+    idx = std::get<1>(best).item<int64_t>();
+    return std::get<0>(best).item<float>();
+  }
+  idx = argmax_row(z, n);
+  double s, t;
+  exp_sums(z, n, m, s, t);
+  return static_cast<float>(1.0 / s);
+}
+
+std::tuple<at::Tensor, at::Tensor> top1_rows(at::Tensor z) {
+  TORCH_CHECK(z.scalar_type() == at::kFloat && z.device().is_cpu() && z.dim() >= 1 && z.size(-1) > 0, "top1_rows: float32 logits [..., n] on the CPU");
+  z = z.contiguous();
+  const int64_t n = z.size(-1), rows = z.numel() / n;
+  auto shape = z.sizes().vec();
+  shape.pop_back();
+  auto p = at::empty(shape, z.options());
+  auto idx = at::empty(shape, z.options().dtype(at::kLong));
+  for (int64_t r = 0; r < rows; ++r) p.data_ptr<float>()[r] = top1_row(z.data_ptr<float>() + r * n, n, idx.data_ptr<int64_t>()[r]);
+  return {p, idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_linear", &q4_1_linear, "x @ W.T with W in packed GGUF Q4_1 blocks (x, q, d, m, out_features, q8, isa)");
   mod.def("q8_0_linear", &q8_0_linear, "x @ W.T with W in packed GGUF Q8_0 blocks (x, q, d, out_features, q8, isa)");
@@ -742,6 +802,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   mod.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 [rows, n] tensor, the same indices");
   mod.def("confidence", &confidence, "policy.confidence of float32 logits: (p0, entropy) of their softmax");
+  mod.def("silu", &silu, "x / (1 + exp(-x)) in one order on every CPU (the heads' SiLU on blocks)");
+  mod.def("top1_rows", &top1_rows, "softmax(z).max(-1) of float32 logits [..., n]: (probabilities, first maximal indices), one order on every CPU");
   mod.def("head_top", &head_top, "phrasebook.head_top of float32 logits: the k best log-softmax values and their indices");
   mod.def("lm_refine", &lm_refine, "a Q4_1 LM head's best k logits of each row computed again in Q8_0, in place (xs, z, q8, d8, bias, k)");
   mod.def("keep_entries", &keep_entries, "a tree step's accepted KV entries moved in place (buffers, past, accepted)");

@@ -187,7 +187,7 @@ def build_task_bank(rt, task: str, texts: list[str], calibration: str, cfg: Bank
         "traces": f"{cfg.calib_new_tokens} greedy tokens per prompt, ranks of the true token under each head (top {16})",
         "command": command,
         "date": datetime.date.today().isoformat(),
-        "hardware": "traces: any machine (machine-independent at temperature 0); shipped fit: see fit.hardware",
+        "hardware": "traces: any machine (the extension's arithmetic, one order on every instruction set; temperature 0); shipped fit: see fit.hardware",
     }
     book = rt.phrasebook() if rule is not None else None
     if book is not None:

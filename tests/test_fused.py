@@ -93,6 +93,32 @@ def test_native_confidence_is_the_softmax_maximum_and_entropy():
     assert all(math.isnan(v) for v in extension().confidence(torch.full((9,), -float("inf"))))
 
 
+def test_the_heads_silu_and_top1_on_blocks():
+    """The draft heads' SiLU and top-1 probability on blocks (`silu`, `top1_rows`): within float32
+    rounding of ATen's and of a float64 softmax, the first maximal logit's index (ties included), an
+    element's bits the same wherever it lies (the tail padded to a vector), each row alone; a NaN
+    row gives ATen's NaN."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 576, 1153):
+        x = torch.randn(3, n, generator=g) * 6
+        y = extension().silu(x)
+        torch.testing.assert_close(y, F.silu(x), rtol=2e-6, atol=1e-7)
+        assert torch.equal(y[:, -1:], extension().silu(x[:, -1:].contiguous()))  # the tail alone: the same bits
+    for n in (1, 7, 9, 65, 4096, 49152):
+        for scale in (0.1, 3.0, 30.0):
+            z = torch.randn(4, n, generator=g) * scale
+            p, idx = extension().top1_rows(z)
+            assert torch.equal(idx, z.argmax(-1))
+            torch.testing.assert_close(p.double(), torch.softmax(z.double(), -1).max(-1).values, rtol=1e-6, atol=0)
+            rows = [extension().top1_rows(row) for row in z]  # each row alone: the same bits
+            assert torch.equal(p, torch.stack([r[0] for r in rows])) and idx.tolist() == [int(r[1]) for r in rows]
+    z = torch.zeros(2, 37)
+    z[0, [5, 30]] = 1.0  # a tie: the first
+    z[1, 3] = float("nan")
+    p, idx = extension().top1_rows(z)
+    assert idx[0] == 5 and math.isnan(p[1])
+
+
 def test_native_head_top_is_the_top_log_softmax_earlier_first_on_ties():
     """`phrasebook.head_top` on the extension: ATen's top-k indices (no ties) and log-softmax
     values within 1e-6 (relative) of a float64 reference, at widths around its 8-lane vectors and k above

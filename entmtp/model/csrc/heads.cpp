@@ -4,7 +4,7 @@
 // reads.
 //
 // Every elementwise step is the operation the Python modules run (ATen's input smoothing, bias and
-// residual; the extension's SiLU and softmax maximum, `silu_row` and `top1_row`, which the modules
+// residual; the extension's SiLU and softmax maximum, `heads_silu` and `top1_row`, which the modules
 // on blocks call too) and every product the same block kernel,
 // so the chain computes the very bits `drafting.top1_logits` computes through the modules, and a
 // bank's traces (the modules over hundreds of positions at once: each row alone in the kernel)
@@ -27,14 +27,6 @@
 namespace {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
-
-// ResBlock's SiLU on blocks (`silu_row`) into a new row
-at::Tensor silu_of(const at::Tensor& x) {
-  const auto xc = x.contiguous();
-  auto y = at::empty_like(xc);
-  silu_row(xc.data_ptr<float>(), xc.numel(), y.data_ptr<float>());
-  return y;
-}
 
 }  // namespace
 
@@ -142,7 +134,7 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
 }
 
 at::Tensor HeadChain::res_silu(const at::Tensor& y) const {
-  return add_rows(y.narrow(1, hidden, hidden), silu_of(y.narrow(1, 0, hidden)));
+  return add_rows(y.narrow(1, hidden, hidden), heads_silu(y.narrow(1, 0, hidden)));
 }
 
 at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
@@ -154,7 +146,7 @@ at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
       continue;
     }
     auto r = present(b.res.qs) ? b.res(x, isa) : x;
-    x = add_rows(r, silu_of(b.lin(x, isa)));
+    x = add_rows(r, heads_silu(b.lin(x, isa)));
   }
   return x;
 }

@@ -10,8 +10,9 @@
 
 // The index of the first maximal of n floats, torch.argmax's (layers.cpp).
 int64_t argmax_row(const float* p, int64_t n);
-// The heads' SiLU and softmax maximum on blocks (layers.cpp): one order of operations on every CPU.
-void silu_row(const float* x, int64_t n, float* y);
+// The heads' SiLU (into a new tensor) and softmax maximum on blocks (layers.cpp): one order of
+// operations on every CPU.
+at::Tensor heads_silu(at::Tensor x);
 float top1_row(const float* z, int64_t n, int64_t& idx);
 
 struct HeadChain {

@@ -742,7 +742,7 @@ std::tuple<at::Tensor, at::Tensor> head_top(at::Tensor z, int64_t k) {
 
 // y = x / (1 + exp(-x)) with exp8, as silu_mul_row computes silu(g); the tail padded to a vector,
 // so an element's bits do not depend on where it lies.
-void silu_row(const float* x, int64_t n, float* y) {
+static void silu_row(const float* x, int64_t n, float* y) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   auto silu8 = [&](__m256 v) { return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))); };
   int64_t k = 0;
@@ -755,7 +755,7 @@ void silu_row(const float* x, int64_t n, float* y) {
   }
 }
 
-at::Tensor silu(at::Tensor x) {
+at::Tensor heads_silu(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "silu: float32 on the CPU");
   x = x.contiguous();
   auto y = at::empty_like(x);
@@ -802,7 +802,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "attention over visible keys, each query and head alone");
   mod.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 [rows, n] tensor, the same indices");
   mod.def("confidence", &confidence, "policy.confidence of float32 logits: (p0, entropy) of their softmax");
-  mod.def("silu", &silu, "x / (1 + exp(-x)) in one order on every CPU (the heads' SiLU on blocks)");
+  mod.def("silu", &heads_silu, "x / (1 + exp(-x)) in one order on every CPU (the heads' SiLU on blocks)");
   mod.def("top1_rows", &top1_rows, "softmax(z).max(-1) of float32 logits [..., n]: (probabilities, first maximal indices), one order on every CPU");
   mod.def("head_top", &head_top, "phrasebook.head_top of float32 logits: the k best log-softmax values and their indices");
   mod.def("lm_refine", &lm_refine, "a Q4_1 LM head's best k logits of each row computed again in Q8_0, in place (xs, z, q8, d8, bias, k)");

@@ -11,7 +11,7 @@ import torch
 from entmtp.data import prompts as data
 from entmtp.config import TASKS, GenerationConfig, ModelConfig
 from entmtp.spec.engine import Strategy, collect
-from entmtp.spec.heads import HydraHeads, MedusaHeads
+from entmtp.spec.heads import LM_REFINE, HydraHeads, MedusaHeads
 from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import bank_path, default_heads_dir, load_runtime
 from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
@@ -76,7 +76,8 @@ def test_every_method_equals_generate(rt, task):
 def test_kernels_times_the_shipped_heads_chain_per_depth(rt, capsys):
     """`kernels --chain-only` on the default model: the served Hydra heads' chain to each depth,
     cold after a base step, warm and with the phrasebook, beside the bytes it reads (the shipped
-    form: Q4_1 ResBlocks, a Q8_0 LM head over the draft vocabulary) and the memory bandwidth."""
+    form: Q4_1 ResBlocks, a Q4_1 LM head over the draft vocabulary whose best 16 rows each call reads
+    again in Q8_0) and the memory bandwidth."""
     import json
 
     from entmtp.__main__ import main
@@ -93,7 +94,10 @@ def test_kernels_times_the_shipped_heads_chain_per_depth(rt, capsys):
     reads = [r["reads_mb"] for r in chain["rows"]]
     assert reads == sorted(reads) and all(r["streams_mb"] >= r["reads_mb"] for r in chain["rows"])
     lm = heads._lm_packed[heads._lm_key(0)]
-    assert lm.kind == "q8_0" and all(b.linear.kind == heads.blocks for b in heads.head_blocks(0))
+    # the shipped form since 2026-12-07: the LM head ranks in Q4_1 and reads its 16 best rows in Q8_0
+    assert heads.lm_blocks == lm.kind == "q4_1" and all(b.linear.kind == heads.blocks for b in heads.head_blocks(0))
+    q, d = heads._lm_fine[heads._lm_key(0)]
+    lm_bytes = lm.nbytes() + LM_REFINE * (q.shape[1] + 2 * d.shape[1])
     # a chain to depth d streams the LM head d times: what the rows say differs by whole LM heads
-    assert abs(chain["rows"][3]["streams_mb"] - chain["rows"][3]["reads_mb"] - 3 * lm.nbytes() / 1e6) < 0.02
+    assert abs(chain["rows"][3]["streams_mb"] - chain["rows"][3]["reads_mb"] - 3 * lm_bytes / 1e6) < 0.02
     assert out[0].startswith("The heads' top-1 chain (") and len(out) == 3 + 4 + 1

@@ -18,6 +18,7 @@ from entmtp.model.gguf import GGUFLinear
 from entmtp.model.kernels import PackedLinear, stock_kernels
 from entmtp.model.serve import set_isa
 from entmtp.spec import verify
+from entmtp.spec.heads import LM_REFINE
 from entmtp.spec.topology import chain_paths, compile_tree
 
 @torch.inference_mode()
@@ -220,11 +221,19 @@ def isa_table(result: dict) -> str:
 def chain_bytes(heads) -> tuple[list[int], int]:
     """Per head, the bytes its ResBlocks stream in the chain (values, scales, minimums, biases; of a
     parted linear, `gguf.PartedLinear`, the part on h and each token part's kept outputs), and the
-    LM head's (read again at every depth)."""
+    LM head's (read again at every depth; under heads.json `lm_blocks: q4_1`, its Q4_1 blocks and
+    the Q8_0 rows of each call's `LM_REFINE` best)."""
     read = lambda lin: lin.chain_nbytes() if hasattr(lin, "chain_nbytes") else _bytes_read(lin)
     per_head = [sum(read(lin) for b in heads.head_blocks(i) for lin in (b.linear, b.res_connection)
                     if not isinstance(lin, nn.Identity)) for i in range(heads.num_heads)]
-    return per_head, _bytes_read(heads._lm_packed[heads._lm_key(0)]) if heads._lm_packed else 0
+    if not heads._lm_packed:
+        return per_head, 0
+    key = heads._lm_key(0)
+    lm = _bytes_read(heads._lm_packed[key])
+    fine = getattr(heads, "_lm_fine", {}).get(key)
+    if fine is not None:  # (values int8 [K, hidden], scales float16 [K, hidden / 32]): LM_REFINE rows of each, a call
+        lm += LM_REFINE * sum(t.shape[1] * t.element_size() for t in fine)
+    return per_head, lm
 
 
 @torch.inference_mode()

@@ -74,14 +74,15 @@ inline void rms_rows(const float* x, const float* w, int64_t rows, int64_t H, fl
   });
 }
 
-// a = silu(g) * u, silu(g) = g / (1 + exp(-g)), one row of I.
+// silu(g) = g / (1 + exp(-g)) on 8 lanes, with exp8: the base model's MLP and the draft heads' SiLU.
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// a = silu(g) * u, one row of I.
 inline void silu_mul_row(const float* g, const float* u, int64_t I, float* a) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  for (int64_t k = 0; k < I; k += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + k);
-    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-    _mm256_storeu_ps(a + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
-  }
+  for (int64_t k = 0; k < I; k += 8)
+    _mm256_storeu_ps(a + k, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + k)), _mm256_loadu_ps(u + k)));
 }
 
 // Which keys a query sees. No mask: causal, the queries being the last Q of L positions. A bool
@@ -557,9 +558,6 @@ void keep_entries(std::vector<at::Tensor> buffers, int64_t past, std::vector<int
   }
 }
 
-// torch.argmax of n floats: the index of the first maximal one (also torch.max(dim)'s index, so
-// its value is the maximum's bits), in two vector passes: the maximum, then the first element
-// equal to it. A NaN anywhere goes to at::argmax (whose NaN is the maximum).
 // The maximum of n floats in one vector pass (8 lanes, then the tail), and whether any is NaN.
 static float max_row(const float* p, int64_t n, bool& has_nan) {
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
@@ -581,10 +579,8 @@ static float max_row(const float* p, int64_t n, bool& has_nan) {
   return best;
 }
 
-int64_t argmax_row(const float* p, int64_t n) {
-  bool has_nan = false;
-  const float best = max_row(p, n, has_nan);
-  if (has_nan) return at::argmax(at::from_blob(const_cast<float*>(p), {n}, at::kFloat)).item<int64_t>();
+// The index of the first of n floats equal to `best` (their maximum, no NaN among them), by vectors.
+static int64_t first_equal(const float* p, int64_t n, float best) {
   const __m256 b = _mm256_set1_ps(best);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -594,6 +590,16 @@ int64_t argmax_row(const float* p, int64_t n) {
   for (int64_t j = i; j < n; ++j)
     if (p[j] == best) return j;
   return 0;  // every element -inf: the first
+}
+
+// torch.argmax of n floats: the index of the first maximal one (also torch.max(dim)'s index, so
+// its value is the maximum's bits), in two vector passes: the maximum, then the first element
+// equal to it. A NaN anywhere goes to at::argmax (whose NaN is the maximum).
+int64_t argmax_row(const float* p, int64_t n) {
+  bool has_nan = false;
+  const float best = max_row(p, n, has_nan);
+  if (has_nan) return at::argmax(at::from_blob(const_cast<float*>(p), {n}, at::kFloat)).item<int64_t>();
+  return first_equal(p, n, best);
 }
 
 // torch.argmax(x, -1) for a float32 [rows, n] tensor, the same indices (ATen's reduction took
@@ -740,11 +746,9 @@ std::tuple<at::Tensor, at::Tensor> head_top(at::Tensor z, int64_t k) {
 // the CPU): the traces recorded on an AVX-512 Xeon and on an AVX2-only AMD EPYC differed in the
 // chain's probabilities by up to 0.7% (one SiLU ulp moves an input's Q8 rounding).
 
-// y = x / (1 + exp(-x)) with exp8, as silu_mul_row computes silu(g); the tail padded to a vector,
-// so an element's bits do not depend on where it lies.
+// y = silu8(x), as silu_mul_row computes silu(g); the tail padded to a vector, so an element's bits
+// do not depend on where it lies.
 static void silu_row(const float* x, int64_t n, float* y) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  auto silu8 = [&](__m256 v) { return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))); };
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) _mm256_storeu_ps(y + k, silu8(_mm256_loadu_ps(x + k)));
   if (k < n) {
@@ -774,7 +778,7 @@ float top1_row(const float* z, int64_t n, int64_t& idx) {
     idx = std::get<1>(best).item<int64_t>();
     return std::get<0>(best).item<float>();
   }
-  idx = argmax_row(z, n);
+  idx = first_equal(z, n, m);  // the maximum is known: argmax_row's second pass
   double s, t;
   exp_sums(z, n, m, s, t);
   return static_cast<float>(1.0 / s);

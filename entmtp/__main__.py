@@ -614,7 +614,7 @@ def cmd_build_bank(args: argparse.Namespace) -> None:
             raise UsageError(str(e)) from None
         raise
     bank.save(out)
-    figure = bank_figure(bank, rt.slug, args.task)
+    figure = bank_figure(bank, rt.slug, args.task, out.resolve() == bank_path(rt.name, args.task).resolve(), out)
     print(fit_table(bank.fit))
     print(f"bank: {out}  figure: {figure}")
     print(json.dumps({"bank": str(out), "task": args.task, **fit_summary(bank.fit)}))
@@ -637,7 +637,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         if args.ship:
             bank.shipped_fit = bank.fit
             out = bank.save(bank_path(rt.name, task, rt.banks_dir))
-            print(f"shipped fit saved in {out}; figure {bank_figure(bank, rt.slug, task)}")
+            figure = bank_figure(bank, rt.slug, task, out.resolve() == bank_path(rt.name, task).resolve(), out)
+            print(f"shipped fit saved in {out}; figure {figure}")
     hardware = next(iter(banks.values())).fit["hardware"]
     print(json.dumps({"hardware": hardware, "seconds": round(time.perf_counter() - t0, 1),
                       "tasks": {t: fit_summary(b.fit) for t, b in banks.items()}}))

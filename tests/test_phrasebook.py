@@ -164,6 +164,39 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, see
     assert (outside > 0) == (vocab == "draft"), "a token outside the draft vocabulary should go first now and then"
 
 
+def test_the_extensions_scorer_is_the_python_scorer_without_atens_tanh():
+    """`PhraseForcer.scores` (its own tanh, `tanh_inplace`: IEEE operations four lanes at a time,
+    the same ones one at a time for the tail, so the same bits on every CPU) against
+    `Reranker.scores` (numpy's tanh) to 1e-13, over pre-activations from 0 to saturation and both
+    signs; tanh is odd, reaches +-1 exactly, and the tail gives the lanes' bits."""
+    from entmtp.model import ext
+
+    kernels = ext.extension()
+    if kernels is None:
+        pytest.skip(f"the extension cannot serve here: {ext._state.get('error')}")
+    gen = np.random.default_rng(11)
+    for scale in (1e-9, 0.1, 1.0, 4.0, 40.0):
+        rule = Reranker(((gen.normal(size=(N_FEATURES, 32)) * scale, gen.normal(size=32) * scale),
+                         (gen.normal(size=(32, 32)), gen.normal(size=32)), (gen.normal(size=(32, 1)), gen.normal(size=1))))
+        layers = [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in rule.layers]
+        force = kernels.PhraseForcer(Phrasebook(_sequences(1), max_n=4).native(kernels), torch.tensor([], dtype=torch.long), layers, 2, 0, 0.0, 0.0)
+        x = gen.normal(size=(40, N_FEATURES))
+        got = np.array(force.scores([list(map(float, r)) for r in x]))
+        assert np.allclose(got, rule.scores(x), rtol=0, atol=1e-13), scale
+    one = Reranker(((np.eye(N_FEATURES)[:, :1] * 1.0, np.zeros(1)), (np.ones((1, 1)), np.zeros(1))))
+    force = kernels.PhraseForcer(Phrasebook(_sequences(1), max_n=4).native(kernels), torch.tensor([], dtype=torch.long),
+                                 [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in one.layers], 2, 0, 0.0, 0.0)
+    v = np.array([0.0, 1e-300, 1e-8, 0.3, 0.5493061443340549, 1.0, 2.0, 9.0, 19.0, 25.0, 400.0, 1e300])
+    tail = [0.3, -19.0, 2.0]  # past the last four lanes: the scalar path, which must give the lanes' bits
+    x = np.zeros((2 * len(v) + len(tail), N_FEATURES))
+    x[:, 0] = np.concatenate([v, -v, tail])
+    got = np.array(force.scores([list(map(float, r)) for r in x]))
+    assert np.allclose(got, np.tanh(x[:, 0]), rtol=0, atol=4e-16)
+    lanes, rest = got[: 2 * len(v)], got[2 * len(v):]
+    assert list(lanes[: len(v)]) == [-g for g in lanes[len(v):]] and lanes[-1] == -1.0 and lanes[len(v) - 1] == 1.0
+    assert list(rest) == [lanes[3], lanes[len(v) + 8], lanes[6]]
+
+
 def test_the_extension_ranks_a_node_with_many_candidates_as_python_does():
     """A text in which one token was followed by 150 others: past 64 candidates the extension's
     forcer finds them through a map instead of a scan, and still ranks and scores them as the

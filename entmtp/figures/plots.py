@@ -466,12 +466,14 @@ def bench_figure(results: Sequence[dict], height: int = 420) -> go.Figure:
     return fig
 
 
-def bank_figure(bank: TopologyBank, slug: str, task: str) -> Path:
-    """The bank's front saved as assets/bank-<model>-<task>.png (.html where Chromium is missing); its path."""
+def bank_figure(bank: TopologyBank, slug: str, task: str, shipped: bool = True, beside: Path | None = None) -> Path:
+    """The bank's front saved as assets/bank-<model>-<task>.png for a shipped bank, else beside the
+    bank's own file `beside` (<bank>.png), so that a bank built elsewhere leaves the shipped
+    figures alone (.html where Chromium is missing); its path."""
     from entmtp.figures.png import save_png
 
     fig = front_figure(bank, bank.fit.get("baseline"))
-    figure = ROOT / "assets" / f"bank-{slug}-{task}.png"
+    figure = ROOT / "assets" / f"bank-{slug}-{task}.png" if shipped or beside is None else beside.with_suffix(".png")
     if not save_png(fig, figure):
         figure = figure.with_suffix(".html")  # no Chromium here: keep the interactive figure
         fig.write_html(figure, include_plotlyjs="cdn")

@@ -143,3 +143,20 @@ def test_a_checkouts_bank_reads_its_own_reranker(tmp_path):
     with pytest.raises(BankError, match="changed since the traces were drafted"):
         load_bank(other / "banks" / "smollm2-135m-instruct" / "code.json").phrasebook_rule
     assert load_bank(bank).phrasebook_rule is not None  # this checkout's bank still reads this checkout's file
+
+
+def test_a_bank_built_elsewhere_keeps_its_figure_beside_it(tmp_path, monkeypatch):
+    """`build-bank --out` (or `calibrate --ship --banks-dir`) outside the shipped banks writes the
+    front's figure beside that bank, not over the shipped figure in assets/."""
+    from entmtp.figures import plots
+
+    monkeypatch.setattr(plots, "ROOT", tmp_path / "repo")
+    bank = parse_bank(valid_bank())
+    out = tmp_path / "elsewhere" / "code.json"
+    out.parent.mkdir()
+    figure = plots.bank_figure(bank, "m", "code", shipped=False, beside=out)
+    assert figure.parent == out.parent and figure.stem == "code" and figure.exists()
+    assert not (tmp_path / "repo" / "assets").exists()
+    (tmp_path / "repo" / "assets").mkdir(parents=True)
+    shipped = plots.bank_figure(bank, "m", "code")
+    assert shipped.parent == tmp_path / "repo" / "assets" and shipped.stem == "bank-m-code" and shipped.exists()

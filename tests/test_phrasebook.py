@@ -166,7 +166,7 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, see
 
 def test_the_extensions_scorer_is_the_python_scorer_without_atens_tanh():
     """`PhraseForcer.scores` (its own tanh, `tanh_inplace`: IEEE operations four lanes at a time,
-    the same ones one at a time for the tail, so the same bits on every CPU) against
+    the tail padded into the same lanes, so the same bits on every CPU) against
     `Reranker.scores` (numpy's tanh) to 1e-13, over pre-activations from 0 to saturation and both
     signs; tanh is odd, reaches +-1 exactly, and the tail gives the lanes' bits."""
     from entmtp.model import ext
@@ -187,7 +187,7 @@ def test_the_extensions_scorer_is_the_python_scorer_without_atens_tanh():
     force = kernels.PhraseForcer(Phrasebook(_sequences(1), max_n=4).native(kernels), torch.tensor([], dtype=torch.long),
                                  [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in one.layers], 2, 0, 0.0, 0.0)
     v = np.array([0.0, 1e-300, 1e-8, 0.3, 0.5493061443340549, 1.0, 2.0, 9.0, 19.0, 25.0, 400.0, 1e300])
-    tail = [0.3, -19.0, 2.0]  # past the last four lanes: the scalar path, which must give the lanes' bits
+    tail = [0.3, -19.0, 2.0]  # past the last four lanes: padded, it must give the full lanes' bits
     x = np.zeros((2 * len(v) + len(tail), N_FEATURES))
     x[:, 0] = np.concatenate([v, -v, tail])
     got = np.array(force.scores([list(map(float, r)) for r in x]))

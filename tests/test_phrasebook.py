@@ -122,7 +122,7 @@ def test_the_book_holds_answers_to_training_prompts_only(tiny_dir):
     assert not any(k in held for k in kept)
 
 
-@pytest.mark.parametrize("kind", ["share rule", "reranker"])
+@pytest.mark.parametrize("kind", ["share rule", "reranker", "reranker to depth 2"])
 @pytest.mark.parametrize("vocab", ["whole", "draft"])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, seed):
@@ -142,7 +142,8 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, see
     draft_vocab = torch.tensor([0, 2, 3, 5, 7, 8, 11] if vocab == "draft" else [], dtype=torch.long)
     K = len(draft_vocab) or V
     rule = (PhrasebookRule(min_n=1, max_head_p=0.8, min_share=0.3) if kind == "share rule" else
-            Reranker(((gen.normal(size=(N_FEATURES, 8)), gen.normal(size=8)), (gen.normal(size=(8, 1)), gen.normal(size=1))), first=2))
+            Reranker(((gen.normal(size=(N_FEATURES, 8)), gen.normal(size=8)), (gen.normal(size=(8, 1)), gen.normal(size=1))), first=2,
+                     depths=2 if kind.endswith("depth 2") else 0))
     forced = outside = 0
     rows = torch.Generator().manual_seed(seed)
     for _ in range(6):
@@ -155,6 +156,8 @@ def test_the_extension_forces_the_tokens_the_python_forcer_does(kind, vocab, see
             row, head_p = torch.randn(K, generator=rows) * 2, rng.random()
             (i1, p1), (i2, p2) = native(path, head_p, row), python(path, head_p, row)
             assert i1 == i2 and (p1 < 0) == (p2 < 0) and p1 == pytest.approx(p2, abs=1e-12)
+            if getattr(rule, "depths", 0) and len(path) > rule.depths:  # past its depths: the head's own ranking and probability
+                assert (i1, p1) == ([], -1.0)
             forced += bool(i1)
             outside += bool(i1) and i1[0] < 0
             assert all(i >= 0 for i in i1[1:])  # only the first may lie outside the vocabulary
@@ -220,7 +223,7 @@ def test_the_extension_ranks_a_node_with_many_candidates_as_python_does():
         assert i1 == i2 and p1 == pytest.approx(p2, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["share rule", "reranker"])
+@pytest.mark.parametrize("kind", ["share rule", "reranker", "reranker to depth 1"])
 @pytest.mark.parametrize("native", [True, False], ids=["native forcer", "python forcer"])
 @pytest.mark.parametrize("vocab", ["whole", "draft"])
 def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, vocab, monkeypatch):
@@ -252,6 +255,10 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, v
         w = np.zeros((N_FEATURES, 1))
         w[0, 0], w[10, 0] = 1.0, 3.0
         rule = Reranker(((w, np.zeros(1)),), first=2)
+    elif kind == "reranker to depth 1":  # the same, ranking the first head's node only: deeper ones keep the head's ranking
+        w = np.zeros((N_FEATURES, 1))
+        w[0, 0], w[10, 0] = 1.0, 3.0
+        rule = Reranker(((w, np.zeros(1)),), first=2, depths=1)
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
     from entmtp.model import ext
     from entmtp.spec.phrasebook import NativeForcer, forcer
@@ -288,7 +295,10 @@ def test_a_bank_names_its_reranker_and_refuses_a_changed_one(tmp_path):
     path = tmp_path / "reranker.json"
     Reranker(((w, np.zeros(1)),), first=2).save(path, {"heads_sha256": "abc"})
     rr = Reranker.load(path)
-    assert (rr.first, rr.heads_sha256, len(rr.sha256)) == (2, "abc", 16)
+    assert (rr.first, rr.heads_sha256, len(rr.sha256), rr.depths) == (2, "abc", 16, 0)
+    Reranker(((w, np.zeros(1)),), first=2, depths=3).save(tmp_path / "capped.json", {"heads_sha256": "abc"})
+    capped = Reranker.load(tmp_path / "capped.json")
+    assert capped.depths == 3 and capped.sha256 != rr.sha256  # a bank drafted with one is not drafted with the other
     prov = {"phrasebook": rule_provenance(rr)}
     again = phrasebook_rule(prov)
     assert isinstance(again, Reranker) and again.sha256 == rr.sha256 and np.array_equal(again.layers[0][0], w)

@@ -58,7 +58,12 @@ def top1_chain(heads: DraftHeads, feature: torch.Tensor, root: int, depth: int,
         tokens = [int(heads.to_token_ids(heads.top1(row)[1])) for row in logits]
     path = [root] + list(tokens)  # the root and the prefix's tokens: the extension takes the list as it is
     more, p, picked = _top1(heads, feature, path, depth, force, settle, then)
-    return Chain(logits + more, probs + p.tolist(), list(tokens) + picked.tolist())
+    return Chain(logits + more, probs + _listed(p), list(tokens) + _listed(picked))
+
+
+def _listed(values: torch.Tensor | list) -> list:
+    """A chain's probabilities or tokens as a list (the extension's chain gives lists already)."""
+    return values if isinstance(values, list) else values.tolist()
 
 
 def _settles(g: float, settle: tuple[float, float, bool]) -> bool:
@@ -72,7 +77,8 @@ def top1_logits(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor, de
     on to `depth`: -> the logits (K,) of heads d..depth-1 and their top-1 probabilities
     (depth - d,) float32. No value goes to the host, so a CUDA graph can hold it (not with
     `force`, which reads each node's path, probability and logits on the host)."""
-    return _top1(heads, feature, path, depth, force)[:2]
+    logits, probs, _ = _top1(heads, feature, path, depth, force)
+    return logits, probs if isinstance(probs, torch.Tensor) else torch.tensor(probs, dtype=torch.float32)  # the extension's lists
 
 
 def _top1(heads: DraftHeads, feature: torch.Tensor, path: torch.Tensor | list[int], depth: int,

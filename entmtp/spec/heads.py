@@ -61,6 +61,7 @@ class ResBlock(nn.Module):
         return self.res_connection(x) + F.silu(y)
 
 
+
 class DraftHeads(nn.Module):
     """Common interface used by drafting: `head_logits(i, feature, path_tokens)`.
 
@@ -312,11 +313,11 @@ class DraftHeads(nn.Module):
 
     def top1_on_blocks(self, feature: torch.Tensor, path: torch.Tensor, depth: int, force=None,
                        settle: tuple[float, float, bool] | None = None,
-                       then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+                       then: tuple[int, int] = (-1, -1)) -> tuple[list[torch.Tensor], list[float], list[int]] | None:
         """`drafting.top1_logits` in one extension call where the heads are on GGUF blocks (the same
         bits): from `path` (1, d+1), or that path as a list of ids, on to `depth`, the logits (K,)
-        of heads d..depth-1, their top-1 probabilities and the tokens the path went on through;
-        None elsewhere. `force`:
+        of heads d..depth-1, their top-1 probabilities (float32 values) and the tokens the path went
+        on through, as lists; None elsewhere. `force`:
         `drafting.top1_logits`'s; `settle`, `then`: `drafting._top1`'s (the chain stops or goes on itself)."""
         if self._chain is None or feature.device.type != "cpu":
             return None
@@ -326,11 +327,10 @@ class DraftHeads(nn.Module):
         if feature.dtype != torch.float32:
             feature = feature.float()
         native = getattr(force, "sync", None)  # a `phrasebook.NativeForcer`: called at each node without leaving C++
+        # lists from the extension, so that no ATen call follows the chain (`HeadChain::chain`)
         if native is not None:
-            logits, probs, tokens = self._chain.chain_native(feature, ids, depth, native(), **stop)
-        else:
-            logits, probs, tokens = self._chain.chain(feature, ids, depth, force, **stop)
-        return list(logits.unbind(0)), probs, tokens
+            return self._chain.chain_native(feature, ids, depth, native(), **stop)
+        return self._chain.chain(feature, ids, depth, force, **stop)
 
     def _whole_blocks(self) -> bool:
         """Whether every head linear's inputs come in whole blocks of 32 (the Q8 block kernels')."""

@@ -241,14 +241,17 @@ def candidate_features(matches: list, head_tokens: Sequence[int], head_logp: Seq
 class Reranker:
     """A small scorer (two tanh layers) of the candidates at a node of the drafted spine: the
     head's top tokens and the phrasebook's, from `candidate_features`. Its `first` best go first
-    in that node's ranking, the head's own order after them. Fitted on the banks' calibration
-    prompts (scripts/fit_reranker.py); stored as JSON beside the Hydra heads it reads."""
+    in that node's ranking, the head's own order after them; with `depths`, at the spine's first
+    `depths` nodes only (a node costs about as much again as the head's own there, and deep nodes
+    are reached on few steps). Fitted on the banks' calibration prompts (scripts/fit_reranker.py);
+    stored as JSON beside the Hydra heads it reads."""
 
     layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (W (in, out), b (out,)) each; the last has out = 1
     first: int = 2
     path: str = ""  # the file, relative to the repository
     sha256: str = ""
     heads_sha256: str = ""  # the weights of the heads it was fitted for
+    depths: int = 0  # it ranks the nodes of depth < depths only, the deeper ones keep the head's ranking (0: every depth)
 
     @classmethod
     def load(cls, path: Path) -> "Reranker":
@@ -261,10 +264,11 @@ class Reranker:
             rel = str(path.resolve().relative_to(ROOT))
         except ValueError:
             rel = str(path)
-        return cls(layers, int(d.get("first", 2)), rel, hashlib.sha256(raw).hexdigest()[:16], d.get("heads_sha256", ""))
+        return cls(layers, int(d.get("first", 2)), rel, hashlib.sha256(raw).hexdigest()[:16], d.get("heads_sha256", ""),
+                   int(d.get("depths", 0)))
 
     def save(self, path: Path, meta: dict) -> None:
-        d = {"first": self.first, "layers": [[w.tolist(), b.tolist()] for w, b in self.layers]} | meta
+        d = {"first": self.first, "layers": [[w.tolist(), b.tolist()] for w, b in self.layers]} | ({"depths": self.depths} if self.depths else {}) | meta
         path.write_text(json.dumps(d) + "\n")
 
     def scores(self, x: np.ndarray) -> np.ndarray:
@@ -361,6 +365,7 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = T
         first = rule.first if isinstance(rule, Reranker) else 1
         share = (0, 0.0, 0.0) if isinstance(rule, Reranker) else (rule.min_n, rule.max_head_p, rule.min_share)
         force = kernels.PhraseForcer(ctx.book.native(kernels), draft_vocab.cpu(), layers, first, *share)
+        force.depths = rule.depths if isinstance(rule, Reranker) else 0
         return NativeForcer(ctx, force)
     ids = draft_vocab.tolist()
     index = {t: i for i, t in enumerate(ids)} if ids else None
@@ -383,6 +388,8 @@ def forcer(ctx: Context, rule: Rule, draft_vocab: torch.Tensor, native: bool = T
 
     if isinstance(rule, Reranker):
         def rerank(path: Sequence[int], head_p: float, row: torch.Tensor) -> tuple[list[int], float]:
+            if rule.depths and len(path) - 1 >= rule.depths:
+                return [], -1.0  # past the depths it ranks: the head's own ranking and probability
             lp, idx = head_top(row)
             return draftable(*rule.rank(ctx.matches(path), idx, lp, len(path) - 1, ids))
 

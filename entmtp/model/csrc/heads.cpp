@@ -216,9 +216,9 @@ at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std
   return hidden_of(i, res_silu(y), 1);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth,
-                                                    c10::optional<Force> force, double p0, double settle, bool strict,
-                                                    int64_t settled_depth, int64_t unsettled_depth, bool ranked) const {
+HeadChain::Rows HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth, c10::optional<Force> force,
+                                      double p0, double settle, bool strict, int64_t settled_depth, int64_t unsettled_depth,
+                                      bool ranked) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   const bool reading = p0 >= 0;  // the policy's value is read (and may stop or extend the chain)
   const int64_t deepest = reading ? std::max({depth, settled_depth, unsettled_depth}) : depth;
@@ -227,8 +227,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
   const int64_t first = static_cast<int64_t>(path.size()) - 1, n = std::max<int64_t>(0, deepest - first);
   const auto f = feature.reshape({1, hidden}).contiguous();
   std::vector<at::Tensor> rows;
-  auto probs = at::empty({n}, feature.options());
-  auto tokens = at::empty({n}, feature.options().dtype(at::kLong));
+  std::vector<float> probs(n);  // each node's probability, float32 as the modules' softmax gives it
+  std::vector<int64_t> tokens;
   double g = p0;
   bool open = reading;  // the value still read: not settled, the feature's depth not reached
   int64_t target = depth;
@@ -261,16 +261,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
     auto top1 = [&]() -> int64_t {
       z = z.contiguous();
       int64_t i = 0;
-      probs.data_ptr<float>()[d - first] = top1_row(z.data_ptr<float>(), z.numel(), i);
+      probs[d - first] = top1_row(z.data_ptr<float>(), z.numel(), i);
       return i;
     };
     const bool own = ranked && force.has_value();  // the forcer's ranking and probability: no softmax
     int64_t idx = own ? -1 : top1();
-    const auto asked = force.has_value() ? (*force)(path, own ? -1.0 : static_cast<double>(probs.data_ptr<float>()[d - first]), z.view({-1}))
+    const auto asked = force.has_value() ? (*force)(path, own ? -1.0 : static_cast<double>(probs[d - first]), z.view({-1}))
                                          : std::pair<std::vector<int64_t>, double>{{}, -1.0};
     const auto& forced = asked.first;
     if (own && forced.empty()) idx = top1();
-    if (asked.second >= 0) probs.data_ptr<float>()[d - first] = static_cast<float>(asked.second);
+    if (asked.second >= 0) probs[d - first] = static_cast<float>(asked.second);
     if (!forced.empty()) {  // phrasebook.force_row: the row's maximum + m - j at the j-th of m (float32, as ATen adds)
       z = z.contiguous();
       float* zp = z.data_ptr<float>();
@@ -286,11 +286,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
       idx = forced[0];
     }
     const int64_t token = idx < 0 ? -1 - idx : present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
-    rows.push_back(z);
+    rows.push_back(z.view({-1}));  // (K,)
     path.push_back(token);
-    tokens.data_ptr<int64_t>()[d - first] = token;
+    tokens.push_back(token);
     if (open) {  // policy.path_value: g = p0, then g *= p_d (each float32 probability widened exactly)
-      g *= static_cast<double>(probs.data_ptr<float>()[d - first]);
+      g *= static_cast<double>(probs[d - first]);
       if (strict ? g < settle : g <= settle) {
         open = false;
         target = std::max(d + 1, settled_depth);
@@ -300,11 +300,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HeadChain::chain(at::Tensor featu
       }
     }
   }
-  const int64_t ran = static_cast<int64_t>(rows.size());
-  if (ran < n) {
-    probs = probs.narrow(0, 0, ran).clone();
-    tokens = tokens.narrow(0, 0, ran).clone();
-  }
-  auto logits = rows.empty() ? at::empty({0, lm[0].out}, feature.options()) : at::cat(rows, 0);
-  return {logits, probs, tokens};
+  probs.resize(rows.size());
+  return {std::move(rows), std::vector<double>(probs.begin(), probs.end()), std::move(tokens)};  // each float32 widened exactly
 }

@@ -819,7 +819,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<HeadChain>(mod, "HeadChain")
       .def(pybind11::init<std::vector<std::vector<std::vector<at::Tensor>>>, std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           int64_t, int64_t, int64_t>())
-      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (logits, probs, tokens)",
+      .def("chain", &HeadChain::chain, "a draft head's top-1 chain from a path on to a depth: (rows (K,) each, probabilities, tokens) as lists",
            pybind11::arg("feature"), pybind11::arg("path"), pybind11::arg("depth"), pybind11::arg("force") = pybind11::none(),
            pybind11::arg("p0") = -1.0, pybind11::arg("settle") = 0.0, pybind11::arg("strict") = false,
            pybind11::arg("settled_depth") = -1, pybind11::arg("unsettled_depth") = -1, pybind11::arg("ranked") = false)
@@ -845,6 +845,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<PhraseForcer>(mod, "PhraseForcer")
       .def(pybind11::init<std::shared_ptr<PhraseBook>, at::Tensor, std::vector<std::pair<at::Tensor, at::Tensor>>, int64_t, int64_t, double,
                           double>())
+      .def_readwrite("depths", &PhraseForcer::depths)
       .def("extend", &PhraseForcer::extend)
       .def("force", &PhraseForcer::force)
       .def("scores", &PhraseForcer::scores);

@@ -229,6 +229,7 @@ std::pair<std::vector<int64_t>, double> PhraseForcer::force(const std::vector<in
     }
     return {{}, -1.0};
   }
+  if (depths > 0 && static_cast<int64_t>(path.size()) - 1 >= depths) return {{}, -1.0};  // Reranker.depths: the head's own here
   // head_top: the head's best draft indices and their log-probabilities (`head_top_row`, which
   // phrasebook.head_top calls too; ATen's where the row holds a NaN or an infinity, as there)
   // a float32 contiguous row (every node of a chain on blocks) is read in place: no ATen call

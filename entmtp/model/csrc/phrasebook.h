@@ -57,6 +57,7 @@ struct PhraseForcer {
   std::vector<int64_t> widths;  // each layer's out
   int64_t first, min_n;
   double max_head_p, min_share;
+  int64_t depths = 0;  // a reranker's nodes: depth < depths only, the deeper ones the head's own (0: every depth)
   std::vector<int64_t> tokens;
 
   // `layers` empty: the share rule (min_n, max_head_p, min_share); else a reranker's (W (in, out),

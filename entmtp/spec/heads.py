@@ -61,7 +61,6 @@ class ResBlock(nn.Module):
         return self.res_connection(x) + F.silu(y)
 
 
-
 class DraftHeads(nn.Module):
     """Common interface used by drafting: `head_logits(i, feature, path_tokens)`.
 

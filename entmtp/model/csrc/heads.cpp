@@ -217,8 +217,8 @@ at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std
 }
 
 HeadChain::Rows HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth, c10::optional<Force> force,
-                                      double p0, double settle, bool strict, int64_t settled_depth, int64_t unsettled_depth,
-                                      bool ranked) const {
+                                 double p0, double settle, bool strict, int64_t settled_depth, int64_t unsettled_depth,
+                                 bool ranked) const {
   TORCH_CHECK(feature.scalar_type() == at::kFloat && feature.numel() == hidden, "HeadChain: the feature must be float32 [hidden]");
   const bool reading = p0 >= 0;  // the policy's value is read (and may stop or extend the chain)
   const int64_t deepest = reading ? std::max({depth, settled_depth, unsettled_depth}) : depth;

@@ -251,14 +251,11 @@ def test_drafting_with_the_book_is_lossless_and_its_traces_exact(kind, native, v
     noisy = [t if rng.random() < 0.7 else rng.randrange(96) for t in ref]  # right guesses and wrong ones
     book = Phrasebook([prompt + ref[:15], noisy, noisy[5:] + noisy[:5]] + _sequences(2))
     rule = PhrasebookRule(min_n=2, max_head_p=1.01, min_share=0.0)  # random heads: let the book go first at any probability
-    if kind == "reranker":  # one linear layer: the head's log-probability, and much more for the token `propose` names
+    if kind.startswith("reranker"):  # one linear layer: the head's log-probability, and much more for the token `propose` names
         w = np.zeros((N_FEATURES, 1))
         w[0, 0], w[10, 0] = 1.0, 3.0
-        rule = Reranker(((w, np.zeros(1)),), first=2)
-    elif kind == "reranker to depth 1":  # the same, ranking the first head's node only: deeper ones keep the head's ranking
-        w = np.zeros((N_FEATURES, 1))
-        w[0, 0], w[10, 0] = 1.0, 3.0
-        rule = Reranker(((w, np.zeros(1)),), first=2, depths=1)
+        # "to depth 1": the first head's node only, deeper ones keep the head's ranking
+        rule = Reranker(((w, np.zeros(1)),), first=2, depths=1 if kind.endswith("depth 1") else 0)
     trees = [compile_tree([[0]], "n2"), compile_tree(chain_paths(3), "chain3"), compile_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], "t6")]
     from entmtp.model import ext
     from entmtp.spec.phrasebook import NativeForcer, forcer

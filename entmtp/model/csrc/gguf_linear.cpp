@@ -667,6 +667,34 @@ at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int6
   return linear(x, packed(q, d, c10::nullopt, N, 8), q8, isa);
 }
 
+RowWeights row_weights(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t N) {
+  const bool q41 = m.defined() && m.numel() > 0;
+  const Packed P = packed(q, d, q41 ? c10::optional<at::Tensor>(m) : c10::nullopt, N, q41 ? 4 : 8);
+  return {P.q, P.d, P.m, P.N, P.K};
+}
+
+void linear_row(const RowWeights& W, const float* x, float* y, int64_t isa) {
+  TORCH_CHECK(W.K <= kRowMaxIn && W.K % kBlock == 0, "linear_row: ", W.K, " inputs (at most ", kRowMaxIn, ", whole blocks of 32)");
+  const int64_t blocks = W.K / kBlock;
+  const Packed P{W.q, W.d, W.m, W.N, W.K, blocks, (W.N + kGroup - 1) / kGroup, W.m != nullptr ? 4 : 8};
+  // quantize_rows's blocks, on the stack
+  alignas(64) int8_t q[kRowMaxIn];
+  float d[kRowMaxIn / kBlock], s[kRowMaxIn / kBlock];
+  int32_t sum[kRowMaxIn / kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    sum[b] = isa != kIsaScalar ? block_avx2(x + b * kBlock, q + b * kBlock, d + b) : block_scalar(x + b * kBlock, q + b * kBlock, d + b);
+    s[b] = d[b] * static_cast<float>(sum[b]);
+  }
+  const Q8Rows A{at::Tensor(), at::Tensor(), at::Tensor(), q, d, s, sum, blocks};
+  const bool q41 = W.m != nullptr;
+  if (isa == kIsaVnni)
+    q41 ? q8_vnni<true>(P, A, 1, y) : q8_vnni<false>(P, A, 1, y);
+  else if (isa == kIsaAvx2)
+    q41 ? q8_avx2<true>(P, A, 1, y) : q8_avx2<false>(P, A, 1, y);
+  else
+    q41 ? q8_scalar<true>(P, A, 1, y) : q8_scalar<false>(P, A, 1, y);
+}
+
 void refine_row(const float* xs, float* z, int64_t N, int64_t K, const int8_t* q8, const at::Half* d8, const float* bias, int64_t k) {
   k = std::min(k, N);
   if (k <= 0) return;
@@ -681,10 +709,11 @@ void refine_row(const float* xs, float* z, int64_t N, int64_t K, const int8_t* q
     val[j] = v, at[j] = i;
   }
   // the input in Q8 blocks, as every Q8 product quantises it (the scalar and vector code agree bit for bit)
+  TORCH_CHECK(K <= kRowMaxIn, "refine_row: at most ", kRowMaxIn, " inputs");
   const int64_t blocks = K / kBlock;
-  std::vector<int8_t> xq(K);
-  std::vector<float> dx(blocks);
-  for (int64_t b = 0; b < blocks; ++b) block_scalar(xs + b * kBlock, xq.data() + b * kBlock, dx.data() + b);
+  int8_t xq[kRowMaxIn];
+  float dx[kRowMaxIn / kBlock];
+  for (int64_t b = 0; b < blocks; ++b) block_scalar(xs + b * kBlock, xq + b * kBlock, dx + b);
   for (int64_t j = 0; j < kept; ++j) {
     const int64_t n = at[j];
     const int8_t* w = q8 + n * K;

@@ -24,6 +24,20 @@ inline float hsum(__m256 v) {
 }
 
 at::Tensor q4_1_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, int64_t N, int64_t q8, int64_t isa);
+// A packed Q4_1 (`m` set) or Q8_0 (`m` null) weight as raw pointers, checked once (`row_weights`).
+struct RowWeights {
+  const uint8_t* q = nullptr;
+  const at::Half *d = nullptr, *m = nullptr;
+  int64_t N = 0, K = 0;
+};
+constexpr int64_t kRowMaxIn = 8192;  // the inputs `linear_row` quantises on its stack
+// The packed tensors of `q4_1_linear` (m defined) or `q8_0_linear` (m undefined or empty) as raw
+// pointers, with the same checks those calls make.
+RowWeights row_weights(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t N);
+// One input row x [K] through W into y [N] with Q8 inputs: the bits `q4_1_linear` / `q8_0_linear`
+// (q8 = kQ8Always) give that row, with no tensor made (the heads' chain, whose ATen calls after a
+// base step each found the dispatcher's code cold).
+void linear_row(const RowWeights& W, const float* x, float* y, int64_t isa);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor q, at::Tensor d, int64_t N, int64_t q8, int64_t isa);
 // A draft LM head served in Q4_1 (`z`, its logits over N rows) with its best `k` rows computed again
 // from the same rows in Q8_0: `q8` int8 [N, K] and `d8` float16 [N, K/32] (row-major), `bias`

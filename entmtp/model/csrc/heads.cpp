@@ -13,12 +13,9 @@
 
 #include "gguf_linear.h"
 
-#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/equal.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mul.h>
+#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <cstring>
@@ -30,46 +27,34 @@ bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 }  // namespace
 
-// A chain's activations are one contiguous float32 row: its elementwise products and sums are
-// written as loops here (one IEEE operation an element, as ATen's mul and add round them: the
-// same bits) instead of an ATen call each, whose dispatch and allocation cost more than the
-// arithmetic at 576 elements.
+// A chain's activations are rows of float32 in buffers made once a call: each elementwise product
+// and sum is a loop here (one IEEE operation an element, as ATen's mul and add round them: the
+// same bits) and each product `linear_row`, with no ATen call at a node (after a base step each
+// found the dispatcher's code cold), but the new tensor that holds each node's logits.
 // Two tensors stacked along the first dimension (empty where the first is).
 static at::Tensor cat2(const at::Tensor& a, const at::Tensor& c) { return present(a) ? at::cat({a, c}, 0).contiguous() : a; }
 
-static bool one_row(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == 1; }
-
-at::Tensor HeadChain::Linear::smoothed(const at::Tensor& x) const {
-  if (!present(inv_smooth)) return x;
-  if (!one_row(x)) return at::mul(x, inv_smooth);
-  auto xs = at::empty_like(x);
-  const float *a = x.data_ptr<float>(), *s = inv_smooth.data_ptr<float>();
-  float* o = xs.data_ptr<float>();
-  for (int64_t k = 0, n = x.numel(); k < n; ++k) o[k] = a[k] * s[k];
-  return xs;
+void HeadChain::Linear::bind() {
+  w = row_weights(qs, d, m, out);
+  TORCH_CHECK(!present(inv_smooth) || (inv_smooth.scalar_type() == at::kFloat && inv_smooth.is_contiguous() && inv_smooth.numel() == w.K),
+              "HeadChain: a linear's 1/smooth must be float32 [", w.K, "]");
+  TORCH_CHECK(!present(bias) || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == out),
+              "HeadChain: a linear's bias must be float32 [", out, "]");
+  inv = present(inv_smooth) ? inv_smooth.data_ptr<float>() : nullptr;
+  b = present(bias) ? bias.data_ptr<float>() : nullptr;
 }
 
-at::Tensor HeadChain::Linear::operator()(const at::Tensor& x, int64_t isa) const {
+const float* HeadChain::Linear::row(const float* x, float* y, float* xs, int64_t isa) const {
   // BlockLinear.forward: x * (1 / smooth), the product on Q8 inputs, + bias
-  const bool row = one_row(x);
-  const at::Tensor xs = smoothed(x);
-  auto y = present(m) ? q4_1_linear(xs, qs, d, m, out, kQ8Always, isa) : q8_0_linear(xs, qs, d, out, kQ8Always, isa);
-  if (!present(bias)) return y;
-  if (!row || !one_row(y)) return at::add(y, bias);
-  float* yp = y.data_ptr<float>();  // a fresh output: the sum in place
-  const float* b = bias.data_ptr<float>();
-  for (int64_t k = 0; k < out; ++k) yp[k] = yp[k] + b[k];
-  return y;
-}
-
-// r + s elementwise (at::add's sums) into a new row.
-static at::Tensor add_rows(const at::Tensor& r, const at::Tensor& s) {
-  if (!one_row(r) || !one_row(s)) return at::add(r, s);
-  auto o = at::empty_like(r);
-  const float *a = r.data_ptr<float>(), *b = s.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  for (int64_t k = 0, n = r.numel(); k < n; ++k) op[k] = a[k] + b[k];
-  return o;
+  const float* in = x;
+  if (inv != nullptr) {
+    for (int64_t k = 0; k < w.K; ++k) xs[k] = x[k] * inv[k];
+    in = xs;
+  }
+  linear_row(w, in, y, isa);
+  if (b != nullptr)
+    for (int64_t k = 0; k < out; ++k) y[k] = y[k] + b[k];
+  return in;
 }
 
 // Whether a ResBlock's linear and residual linear read their input alike (the same smoothing, the
@@ -131,22 +116,61 @@ HeadChain::HeadChain(std::vector<std::vector<std::vector<at::Tensor>>> heads, st
     this->heads.push_back(std::move(blocks));
     lm.push_back(linear_of(lm_heads[i], 0, lm_rows));
   }
+  // every linear's raw pointers, checked once
+  auto bind = [&](Linear& l) {
+    if (!present(l.qs)) return;
+    l.bind();
+    max_in = std::max(max_in, l.w.K);
+  };
+  for (auto& blocks : this->heads)
+    for (auto& b : blocks) {
+      bind(b.lin), bind(b.res), bind(b.both);
+      for (auto& p : b.parts) bind(p);
+      TORCH_CHECK(!present(b.part_bias) || (b.part_bias.scalar_type() == at::kFloat && b.part_bias.is_contiguous() && b.part_bias.numel() == 2 * hidden),
+                  "HeadChain: a parted block's biases must be float32 [2 hidden]");
+      b.part_b = present(b.part_bias) ? b.part_bias.data_ptr<float>() : nullptr;
+    }
+  for (auto& l : lm) {
+    bind(l);
+    TORCH_CHECK(l.w.K == hidden, "HeadChain: an LM head reads the head's hidden state (", hidden, " inputs)");
+  }
+  max_in = std::max(max_in, 2 * hidden);
+  embed_rows = present(this->embed) ? this->embed.data_ptr<float>() : nullptr;
+  draft_ids = present(this->draft_vocab) ? this->draft_vocab.data_ptr<int64_t>() : nullptr;
 }
 
-at::Tensor HeadChain::res_silu(const at::Tensor& y) const {
-  return add_rows(y.narrow(1, hidden, hidden), heads_silu(y.narrow(1, 0, hidden)));
+HeadChain::Scratch HeadChain::scratch(int64_t depth) const {
+  // the widest activation: a grounded head's input [h ; E(t_0) ; ... ; E(t_d)] where it is not parted
+  const int64_t wide = std::max(max_in, (depth + 2) * hidden);
+  return {std::vector<float>(wide), std::vector<float>(wide), std::vector<float>(2 * hidden), std::vector<float>(hidden),
+          std::vector<float>(wide)};
 }
 
-at::Tensor HeadChain::hidden_of(int64_t i, at::Tensor x, size_t from) const {
+void HeadChain::res_silu(const float* y2, float* act, float* out) const {
+  // ResBlock.forward's res(x) + silu(lin(x)), the linear's outputs first in y2, the residual's after
+  silu_row(y2, hidden, act);
+  for (int64_t k = 0; k < hidden; ++k) out[k] = y2[hidden + k] + act[k];
+}
+
+const float* HeadChain::hidden_of(int64_t i, const float* x, Scratch& s, size_t from) const {
   for (size_t k = from; k < heads[i].size(); ++k) {
     const auto& b = heads[i][k];
+    float* out = x == s.a.data() ? s.b.data() : s.a.data();
     // ResBlock.forward: res_connection(x) + silu(linear(x)), the residual the identity where absent
     if (b.fused) {
-      x = res_silu(b.both(x, isa));  // (1, 2 hidden): linear's outputs, then the residual's
-      continue;
+      b.both.row(x, s.y2.data(), s.xs.data(), isa);  // 2 hidden: linear's outputs, then the residual's
+      res_silu(s.y2.data(), s.act.data(), out);
+    } else {
+      const float* r = x;
+      if (present(b.res.qs)) {
+        b.res.row(x, s.y2.data() + hidden, s.xs.data(), isa);
+        r = s.y2.data() + hidden;
+      }
+      b.lin.row(x, s.y2.data(), s.xs.data(), isa);
+      silu_row(s.y2.data(), hidden, s.act.data());
+      for (int64_t c = 0; c < hidden; ++c) out[c] = r[c] + s.act[c];
     }
-    auto r = present(b.res.qs) ? b.res(x, isa) : x;
-    x = add_rows(r, heads_silu(b.lin(x, isa)));
+    x = out;
   }
   return x;
 }
@@ -162,9 +186,9 @@ const float* HeadChain::token_part(int64_t i, int64_t j, int64_t token) const {
     }
   }
   TORCH_CHECK(token >= 0 && token < embed.size(0), "HeadChain: token ", token, " is outside the embedding");
-  const auto e = embed.narrow(0, token, 1);  // (1, hidden): PartedLinear's slice of [h ; E(t_0) ; ...]
-  const auto y = heads[i][0].parts[j](e, isa).contiguous();
-  std::vector<float> row(y.data_ptr<float>(), y.data_ptr<float>() + y.numel());
+  const Linear& part = heads[i][0].parts[j];
+  std::vector<float> row(part.out), xs(part.w.K);
+  part.row(embed_rows + token * hidden, row.data(), xs.data(), isa);  // PartedLinear's slice of [h ; E(t_0) ; ...]
   std::lock_guard<std::mutex> hold(kept_lock);
   ++kept_misses;
   if ((static_cast<int64_t>(kept_parts.size()) + 1) * 2 * hidden * static_cast<int64_t>(sizeof(float)) > kKeptBytes) kept_parts.clear();
@@ -183,6 +207,8 @@ void HeadChain::set_refine(std::vector<std::pair<at::Tensor, at::Tensor>> rows, 
                 hidden / 32, "]");
   }
   refine_rows = std::move(rows);
+  refine_q.clear(), refine_d.clear();
+  for (const auto& [q, d] : refine_rows) refine_q.push_back(q.data_ptr<int8_t>()), refine_d.push_back(d.data_ptr<at::Half>());
   refine_k = refine_rows.empty() ? 0 : k;
 }
 
@@ -197,23 +223,22 @@ void HeadChain::clear_kept() const {
   kept_hits = kept_misses = 0;
 }
 
-at::Tensor HeadChain::parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const {
+const float* HeadChain::parted_hidden_of(int64_t i, const float* f, const std::vector<int64_t>& path, Scratch& s) const {
   // PartedLinear.forward for the linear and its residual side by side: part 0 on h, + each token's
   // part in order (float32 sums, as `y = y + part` rounds them), + the biases; then the block's
   // res + silu(lin) and the head's further blocks
   const Block& b = heads[i][0];
-  auto y = b.parts[0](f, isa).contiguous();  // (1, 2 hidden)
-  float* yp = y.data_ptr<float>();
+  float* yp = s.y2.data();
+  b.parts[0].row(f, yp, s.xs.data(), isa);  // 2 hidden
   const int64_t n = 2 * hidden;
   for (int64_t j = 1; j < static_cast<int64_t>(b.parts.size()); ++j) {
     const float* t = token_part(i, j, path[j - 1]);
     for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + t[k];
   }
-  if (present(b.part_bias)) {
-    const float* bp = b.part_bias.data_ptr<float>();
-    for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + bp[k];
-  }
-  return hidden_of(i, res_silu(y), 1);
+  if (b.part_b != nullptr)
+    for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + b.part_b[k];
+  res_silu(yp, s.act.data(), s.a.data());
+  return hidden_of(i, s.a.data(), s, 1);
 }
 
 HeadChain::Rows HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, int64_t depth, c10::optional<Force> force,
@@ -225,7 +250,9 @@ HeadChain::Rows HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, 
   TORCH_CHECK(!path.empty() && deepest <= static_cast<int64_t>(heads.size()), "HeadChain: a path from the root, at most one head a depth");
   const bool grounded = present(embed);
   const int64_t first = static_cast<int64_t>(path.size()) - 1, n = std::max<int64_t>(0, deepest - first);
-  const auto f = feature.reshape({1, hidden}).contiguous();
+  const auto fc = feature.is_contiguous() ? feature : feature.contiguous();
+  const float* f = fc.data_ptr<float>();
+  Scratch s = scratch(deepest);
   std::vector<at::Tensor> rows;
   std::vector<float> probs(n);  // each node's probability, float32 as the modules' softmax gives it
   std::vector<int64_t> tokens;
@@ -233,60 +260,55 @@ HeadChain::Rows HeadChain::chain(at::Tensor feature, std::vector<int64_t> path, 
   bool open = reading;  // the value still read: not settled, the feature's depth not reached
   int64_t target = depth;
   for (int64_t d = first; d < target; ++d) {
-    at::Tensor h;
+    const float* h;
     if (grounded && !heads[d][0].parts.empty()) {  // the first block on parts: the token parts kept
-      h = parted_hidden_of(d, f, path);
+      h = parted_hidden_of(d, f, path, s);
     } else {
-      at::Tensor x = f;
+      const float* x = f;
       if (grounded) {  // HydraHeads.head_hidden: [h ; E(root) ; ... ; E(path[d])]
-        x = at::empty({1, (d + 2) * hidden}, feature.options());
-        float* xp = x.data_ptr<float>();
-        std::memcpy(xp, f.data_ptr<float>(), hidden * sizeof(float));
+        float* xp = s.b.data();
+        std::memcpy(xp, f, hidden * sizeof(float));
         for (int64_t j = 0; j <= d; ++j) {
           TORCH_CHECK(path[j] >= 0 && path[j] < embed.size(0), "HeadChain: token ", path[j], " is outside the embedding");
-          std::memcpy(xp + (j + 1) * hidden, embed.data_ptr<float>() + path[j] * hidden, hidden * sizeof(float));
+          std::memcpy(xp + (j + 1) * hidden, embed_rows + path[j] * hidden, hidden * sizeof(float));
         }
+        x = xp;
       }
-      h = hidden_of(d, x);
+      h = hidden_of(d, x, s);
     }
-    auto z = lm[d](h, isa);  // (1, K)
-    if (refine_k > 0) {  // DraftHeads.lm_logits: its best rows again in Q8_0, on the input the LM head read
-      const Linear& l = lm[d];
-      const at::Tensor xs = l.smoothed(h).contiguous();
-      z = z.contiguous();
-      refine_row(xs.data_ptr<float>(), z.data_ptr<float>(), l.out, hidden, refine_rows[d].first.data_ptr<int8_t>(),
-                 refine_rows[d].second.data_ptr<at::Half>(), present(l.bias) ? l.bias.data_ptr<float>() : nullptr, refine_k);
-    }
+    const Linear& l = lm[d];
+    at::Tensor z = at::detail::empty_cpu({l.out}, at::kFloat);  // the node's logits [K], handed to Python
+    float* zp = z.data_ptr<float>();
+    const float* xs = l.row(h, zp, s.xs.data(), isa);
+    if (refine_k > 0)  // DraftHeads.lm_logits: its best rows again in Q8_0, on the input the LM head read
+      refine_row(xs, zp, l.out, hidden, refine_q[d], refine_d[d], l.b, refine_k);
     // drafting.top1_logits: DraftHeads.top1 on blocks, the first maximal logit and its probability
     auto top1 = [&]() -> int64_t {
-      z = z.contiguous();
       int64_t i = 0;
-      probs[d - first] = top1_row(z.data_ptr<float>(), z.numel(), i);
+      probs[d - first] = top1_row(zp, l.out, i);
       return i;
     };
     const bool own = ranked && force.has_value();  // the forcer's ranking and probability: no softmax
     int64_t idx = own ? -1 : top1();
-    const auto asked = force.has_value() ? (*force)(path, own ? -1.0 : static_cast<double>(probs[d - first]), z.view({-1}))
+    const auto asked = force.has_value() ? (*force)(path, own ? -1.0 : static_cast<double>(probs[d - first]), z)
                                          : std::pair<std::vector<int64_t>, double>{{}, -1.0};
     const auto& forced = asked.first;
     if (own && forced.empty()) idx = top1();
     if (asked.second >= 0) probs[d - first] = static_cast<float>(asked.second);
     if (!forced.empty()) {  // phrasebook.force_row: the row's maximum + m - j at the j-th of m (float32, as ATen adds)
-      z = z.contiguous();
-      float* zp = z.data_ptr<float>();
       float mx = zp[0];
-      for (int64_t k = 1; k < z.numel(); ++k) mx = zp[k] > mx ? zp[k] : mx;
+      for (int64_t k = 1; k < l.out; ++k) mx = zp[k] > mx ? zp[k] : mx;
       // a first outside the draft vocabulary (-1 - token, phrasebook.spine_first) has no entry: the rest keep their order
       const int64_t skip = forced[0] < 0 ? 1 : 0, m = static_cast<int64_t>(forced.size()) - skip;
       for (int64_t j = 0; j < m; ++j) {
         const int64_t at = forced[skip + j];
-        TORCH_CHECK(at >= 0 && at < z.numel(), "HeadChain: a forced draft index ", at, " is outside the ", z.numel(), " rows");
+        TORCH_CHECK(at >= 0 && at < l.out, "HeadChain: a forced draft index ", at, " is outside the ", l.out, " rows");
         zp[at] = mx + static_cast<float>(m - j);
       }
       idx = forced[0];
     }
-    const int64_t token = idx < 0 ? -1 - idx : present(draft_vocab) ? draft_vocab.data_ptr<int64_t>()[idx] : idx;
-    rows.push_back(z.view({-1}));  // (K,)
+    const int64_t token = idx < 0 ? -1 - idx : draft_ids != nullptr ? draft_ids[idx] : idx;
+    rows.push_back(std::move(z));  // (K,)
     path.push_back(token);
     tokens.push_back(token);
     if (open) {  // policy.path_value: g = p0, then g *= p_d (each float32 probability widened exactly)

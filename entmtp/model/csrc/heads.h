@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include "gguf_linear.h"
+
 #include <functional>
 #include <mutex>
 #include <unordered_map>
@@ -10,9 +12,10 @@
 
 // The index of the first maximal of n floats, torch.argmax's (layers.cpp).
 int64_t argmax_row(const float* p, int64_t n);
-// The heads' SiLU (into a new tensor) and softmax maximum on blocks (layers.cpp): one order of
-// operations on every CPU.
+// The heads' SiLU (into a new tensor, or of n floats into y) and softmax maximum on blocks
+// (layers.cpp): one order of operations on every CPU.
 at::Tensor heads_silu(at::Tensor x);
+void silu_row(const float* x, int64_t n, float* y);
 float top1_row(const float* z, int64_t n, int64_t& idx);
 
 struct HeadChain {
@@ -21,9 +24,13 @@ struct HeadChain {
   struct Linear {
     at::Tensor qs, d, m, inv_smooth, bias;
     int64_t out;
-    at::Tensor operator()(const at::Tensor& x, int64_t isa) const;
-    // x * (1 / smooth) as BlockLinear.forward divides its input (x itself where there is no smoothing)
-    at::Tensor smoothed(const at::Tensor& x) const;
+    // the same as raw pointers (`bind`): the chain runs on them, with no ATen call at a node
+    RowWeights w;
+    const float *inv = nullptr, *b = nullptr;
+    void bind();
+    // BlockLinear.forward on one row: x * (1 / smooth) into `xs` (w.K floats), the product on Q8
+    // inputs into y (out floats), + bias. Returns the input the product read (x, or xs smoothed).
+    const float* row(const float* x, float* y, float* xs, int64_t isa) const;
   };
   // A ResBlock: res(x) + silu(lin(x)); `res.qs` empty for the identity. Where both linears read
   // the input alike (the same smoothing, the same block kind), `both` holds their blocks side by
@@ -37,6 +44,7 @@ struct HeadChain {
     bool fused = false;
     std::vector<Linear> parts;
     at::Tensor part_bias;
+    const float* part_b = nullptr;  // part_bias's values (null where empty)
   };
 
   std::vector<std::vector<Block>> heads;
@@ -44,6 +52,9 @@ struct HeadChain {
   at::Tensor embed;        // the base model's input embedding, float32 [vocab, hidden]; empty: heads read the feature alone (Medusa)
   at::Tensor draft_vocab;  // int64 [K]: draft index -> token id; empty: the LM head covers the whole vocabulary
   int64_t hidden, isa;
+  const float* embed_rows = nullptr;        // embed's values (null where empty)
+  const int64_t* draft_ids = nullptr;       // draft_vocab's (null where empty)
+  int64_t max_in = 0;                       // the widest input of any head linear
 
   // heads[i]: head i's ResBlocks, each 10 tensors (its linear's qs, d, m, 1/smooth, bias, then its
   // residual's, empty tensors where absent), or 10 a part for a parted block (the biases with part
@@ -89,17 +100,26 @@ struct HeadChain {
 
  private:
   static Linear linear_of(const std::vector<at::Tensor>& t, int64_t at, int64_t out);
-  // head i's ResBlocks from block `from` on, on x
-  at::Tensor hidden_of(int64_t i, at::Tensor x, size_t from = 0) const;
-  // a ResBlock's end from its linear's and residual's outputs side by side (1, 2 hidden): res + silu(lin)
-  at::Tensor res_silu(const at::Tensor& y) const;
+  // A chain's row buffers, made once a call: the ResBlocks' two activations, their products side by
+  // side, the SiLU, a smoothed input.
+  struct Scratch {
+    std::vector<float> a, b, y2, act, xs;
+  };
+  Scratch scratch(int64_t depth) const;
+  // head i's ResBlocks from block `from` on, on x (its first block's inputs, or hidden): the
+  // result (hidden floats) in s.a or s.b
+  const float* hidden_of(int64_t i, const float* x, Scratch& s, size_t from = 0) const;
+  // a ResBlock's end from its linear's and residual's outputs side by side (2 hidden): res + silu(lin) into out
+  void res_silu(const float* y2, float* act, float* out) const;
   // head i on the feature and the path: its first ResBlock's parts (the token parts kept), then the rest
-  at::Tensor parted_hidden_of(int64_t i, const at::Tensor& f, const std::vector<int64_t>& path) const;
+  const float* parted_hidden_of(int64_t i, const float* f, const std::vector<int64_t>& path, Scratch& s) const;
   // part j (>= 1) of head i's first block on E(token): 2 hidden outputs, computed once a token
   const float* token_part(int64_t i, int64_t j, int64_t token) const;
 
   // `set_refine`'s rows per LM head and k (0: none refined)
   std::vector<std::pair<at::Tensor, at::Tensor>> refine_rows;
+  std::vector<const int8_t*> refine_q;  // their values and scales
+  std::vector<const at::Half*> refine_d;
   int64_t refine_k = 0;
 
   // Each token part as computed: a function of (head, part, token) alone, so keeping it changes

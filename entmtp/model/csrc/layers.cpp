@@ -748,7 +748,7 @@ std::tuple<at::Tensor, at::Tensor> head_top(at::Tensor z, int64_t k) {
 
 // y = silu8(x), as silu_mul_row computes silu(g); the tail padded to a vector, so an element's bits
 // do not depend on where it lies.
-static void silu_row(const float* x, int64_t n, float* y) {
+void silu_row(const float* x, int64_t n, float* y) {
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) _mm256_storeu_ps(y + k, silu8(_mm256_loadu_ps(x + k)));
   if (k < n) {

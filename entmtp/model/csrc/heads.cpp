@@ -175,25 +175,32 @@ const float* HeadChain::hidden_of(int64_t i, const float* x, Scratch& s, size_t 
   return x;
 }
 
-const float* HeadChain::token_part(int64_t i, int64_t j, int64_t token) const {
+void HeadChain::add_token_part(int64_t i, int64_t j, int64_t token, float* y) const {
+  // y + the part, summed while the lock is held: a race's other decode may forget every part kept
+  // (past kKeptBytes) while this one reads
   const uint64_t key = (static_cast<uint64_t>(i) << 56) | (static_cast<uint64_t>(j) << 48) | static_cast<uint64_t>(token);
+  const int64_t n = 2 * hidden;
+  auto add = [&](const std::vector<float>& t) {
+    for (int64_t k = 0; k < n; ++k) y[k] = y[k] + t[k];
+  };
   {
     std::lock_guard<std::mutex> hold(kept_lock);
     auto it = kept_parts.find(key);
     if (it != kept_parts.end()) {
       ++kept_hits;
-      return it->second.data();
+      add(it->second);
+      return;
     }
   }
   TORCH_CHECK(token >= 0 && token < embed.size(0), "HeadChain: token ", token, " is outside the embedding");
   const Linear& part = heads[i][0].parts[j];
   std::vector<float> row(part.out), xs(part.w.K);
   part.row(embed_rows + token * hidden, row.data(), xs.data(), isa);  // PartedLinear's slice of [h ; E(t_0) ; ...]
+  add(row);
   std::lock_guard<std::mutex> hold(kept_lock);
   ++kept_misses;
-  if ((static_cast<int64_t>(kept_parts.size()) + 1) * 2 * hidden * static_cast<int64_t>(sizeof(float)) > kKeptBytes) kept_parts.clear();
-  auto [it, added] = kept_parts.emplace(key, std::move(row));  // a race's other decode may have kept it meanwhile: the same bits
-  return it->second.data();
+  if ((static_cast<int64_t>(kept_parts.size()) + 1) * n * static_cast<int64_t>(sizeof(float)) > kKeptBytes) kept_parts.clear();
+  kept_parts.emplace(key, std::move(row));  // a race's other decode may have kept it meanwhile: the same bits
 }
 
 void HeadChain::set_refine(std::vector<std::pair<at::Tensor, at::Tensor>> rows, int64_t k) {
@@ -231,10 +238,7 @@ const float* HeadChain::parted_hidden_of(int64_t i, const float* f, const std::v
   float* yp = s.y2.data();
   b.parts[0].row(f, yp, s.xs.data(), isa);  // 2 hidden
   const int64_t n = 2 * hidden;
-  for (int64_t j = 1; j < static_cast<int64_t>(b.parts.size()); ++j) {
-    const float* t = token_part(i, j, path[j - 1]);
-    for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + t[k];
-  }
+  for (int64_t j = 1; j < static_cast<int64_t>(b.parts.size()); ++j) add_token_part(i, j, path[j - 1], yp);
   if (b.part_b != nullptr)
     for (int64_t k = 0; k < n; ++k) yp[k] = yp[k] + b.part_b[k];
   res_silu(yp, s.act.data(), s.a.data());

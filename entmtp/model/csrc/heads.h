@@ -113,8 +113,8 @@ struct HeadChain {
   void res_silu(const float* y2, float* act, float* out) const;
   // head i on the feature and the path: its first ResBlock's parts (the token parts kept), then the rest
   const float* parted_hidden_of(int64_t i, const float* f, const std::vector<int64_t>& path, Scratch& s) const;
-  // part j (>= 1) of head i's first block on E(token): 2 hidden outputs, computed once a token
-  const float* token_part(int64_t i, int64_t j, int64_t token) const;
+  // y (2 hidden) + part j (>= 1) of head i's first block on E(token), the part computed once a token
+  void add_token_part(int64_t i, int64_t j, int64_t token, float* y) const;
 
   // `set_refine`'s rows per LM head and k (0: none refined)
   std::vector<std::pair<at::Tensor, at::Tensor>> refine_rows;

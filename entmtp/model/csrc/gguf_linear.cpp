@@ -289,6 +289,15 @@ inline int32_t block_avx2(const float* p, int8_t* q, float* d) {
   return _mm_cvtsi128_si32(s4);
 }
 
+// n blocks of 32 inputs from x (rows are contiguous, so block i of the whole input): values q, per
+// block the scale d, s = d * sum(q) and sum(q).
+inline void quantize_blocks(const float* x, int64_t n, bool vector, int8_t* q, float* d, float* s, int32_t* sum) {
+  for (int64_t i = 0; i < n; ++i) {
+    sum[i] = vector ? block_avx2(x + i * kBlock, q + i * kBlock, d + i) : block_scalar(x + i * kBlock, q + i * kBlock, d + i);
+    s[i] = d[i] * static_cast<float>(sum[i]);
+  }
+}
+
 // Every block of M rows of K inputs (`vector`: 8 lanes at a time; the scalar reference keeps the
 // scalar code, and the tests compare the two paths' outputs bit for bit).
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const at::TensorOptions& options, bool vector) {
@@ -300,11 +309,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, const at::TensorOptio
   float* dp = scales.data_ptr<float>();
   float* sp = dp + M * blocks;
   int32_t* np = sums.data_ptr<int32_t>();
-  for (int64_t i = 0; i < M * blocks; ++i) {  // rows are contiguous, so block i of the whole input
-    const int32_t sum = vector ? block_avx2(x + i * kBlock, qp + i * kBlock, dp + i) : block_scalar(x + i * kBlock, qp + i * kBlock, dp + i);
-    sp[i] = dp[i] * static_cast<float>(sum);
-    np[i] = sum;
-  }
+  quantize_blocks(x, M * blocks, vector, qp, dp, sp, np);
   return {storage, scales, sums, qp, dp, sp, np, blocks};
 }
 
@@ -565,6 +570,17 @@ Packed packed(const at::Tensor& q, const at::Tensor& d, const c10::optional<at::
   return {q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.has_value() ? m->data_ptr<at::Half>() : nullptr, N, K, blocks, groups, chunks};
 }
 
+// M rows of Q8 inputs through P by instruction-set path `isa`.
+void q8_products(const Packed& P, const Q8Rows& A, int64_t M, float* y, int64_t isa) {
+  const bool q41 = P.m != nullptr;
+  if (isa == kIsaVnni)
+    q41 ? q8_vnni<true>(P, A, M, y) : q8_vnni<false>(P, A, M, y);
+  else if (isa == kIsaAvx2)
+    q41 ? q8_avx2<true>(P, A, M, y) : q8_avx2<false>(P, A, M, y);
+  else
+    q41 ? q8_scalar<true>(P, A, M, y) : q8_scalar<false>(P, A, M, y);
+}
+
 at::Tensor linear(const at::Tensor& x_in, const Packed& P, int64_t q8, int64_t isa) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf linear: float32 input expected");
   TORCH_CHECK(x_in.size(-1) == P.K, "gguf linear: input has ", x_in.size(-1), " features, the weight ", P.K);
@@ -584,13 +600,7 @@ at::Tensor linear(const at::Tensor& x_in, const Packed& P, int64_t q8, int64_t i
     else
       linear_f32(xp, M, P.N, P.K, Q80Blocks{P}, yp);
   } else {
-    const Q8Rows A = quantize_rows(xp, M, P.K, x.options(), isa != kIsaScalar);
-    if (isa == kIsaVnni)
-      q41 ? q8_vnni<true>(P, A, M, yp) : q8_vnni<false>(P, A, M, yp);
-    else if (isa == kIsaAvx2)
-      q41 ? q8_avx2<true>(P, A, M, yp) : q8_avx2<false>(P, A, M, yp);
-    else
-      q41 ? q8_scalar<true>(P, A, M, yp) : q8_scalar<false>(P, A, M, yp);
+    q8_products(P, quantize_rows(xp, M, P.K, x.options(), isa != kIsaScalar), M, yp, isa);
   }
   auto shape = x_in.sizes().vec();
   shape.back() = P.N;
@@ -681,18 +691,8 @@ void linear_row(const RowWeights& W, const float* x, float* y, int64_t isa) {
   alignas(64) int8_t q[kRowMaxIn];
   float d[kRowMaxIn / kBlock], s[kRowMaxIn / kBlock];
   int32_t sum[kRowMaxIn / kBlock];
-  for (int64_t b = 0; b < blocks; ++b) {
-    sum[b] = isa != kIsaScalar ? block_avx2(x + b * kBlock, q + b * kBlock, d + b) : block_scalar(x + b * kBlock, q + b * kBlock, d + b);
-    s[b] = d[b] * static_cast<float>(sum[b]);
-  }
-  const Q8Rows A{at::Tensor(), at::Tensor(), at::Tensor(), q, d, s, sum, blocks};
-  const bool q41 = W.m != nullptr;
-  if (isa == kIsaVnni)
-    q41 ? q8_vnni<true>(P, A, 1, y) : q8_vnni<false>(P, A, 1, y);
-  else if (isa == kIsaAvx2)
-    q41 ? q8_avx2<true>(P, A, 1, y) : q8_avx2<false>(P, A, 1, y);
-  else
-    q41 ? q8_scalar<true>(P, A, 1, y) : q8_scalar<false>(P, A, 1, y);
+  quantize_blocks(x, blocks, isa != kIsaScalar, q, d, s, sum);
+  q8_products(P, Q8Rows{at::Tensor(), at::Tensor(), at::Tensor(), q, d, s, sum, blocks}, 1, y, isa);
 }
 
 void refine_row(const float* xs, float* z, int64_t N, int64_t K, const int8_t* q8, const at::Half* d8, const float* bias, int64_t k) {

@@ -21,7 +21,7 @@ from entmtp.app import race
 from entmtp.figures import plots
 from conftest import ALL_THREADS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.threads]
 N_NEW = 24
 PROMPT = "Write a Python function that returns the sum of a list of numbers."
 

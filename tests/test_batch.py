@@ -15,7 +15,7 @@ from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
 from conftest import ALL_THREADS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.threads]
 N_NEW = 24
 
 

@@ -68,6 +68,7 @@ def test_unsupported_cases_fall_back():
 
 
 @pytest.mark.slow
+@pytest.mark.threads
 def test_default_model_bit_for_bit():
     torch.set_num_threads(ALL_THREADS)
     try:

@@ -60,6 +60,7 @@ def test_blocks_dequantise_as_gguf_py_and_kernel_matches_float32(kind):
 
 
 @needs_kernels
+@pytest.mark.threads
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_rows_result_never_depends_on_its_batch(kind):
     """What makes tree verification compute exactly what single-token steps compute."""
@@ -160,6 +161,7 @@ def served():
 
 @needs_kernels
 @pytest.mark.slow
+@pytest.mark.threads
 def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear) and m.weight is not None]  # not the fused copies
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
@@ -179,6 +181,7 @@ def test_float32_blocks_stay_selectable():
 
 @needs_kernels
 @pytest.mark.slow
+@pytest.mark.threads
 def test_served_model_equals_its_own_generate(served):
     """`generate` on the served module (GGUF kernels, not stock) is the oracle: plain decoding
     and a tree of 9 nodes give its tokens exactly."""

@@ -18,7 +18,7 @@ from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import chain_paths, compile_tree
 from conftest import ALL_THREADS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.threads]
 N_NEW = 32
 
 

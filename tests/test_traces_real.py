@@ -26,7 +26,7 @@ from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.policy import StaticPolicy, TauPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.threads]
 N_NEW = 48
 TREES = [[], [[0]], [[0], [1], [0, 0]], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]]
 

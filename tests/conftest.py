@@ -18,6 +18,13 @@ from entmtp.runtime.weights import default_gguf
 VOCAB = 48
 ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # the tiny model's ops are microseconds: thread hand-offs would dominate
+# `make test`'s parallel run: two workers at once, each test on one thread (see below)
+BESIDE_ANOTHER_WORKER = os.environ.get("PYTEST_XDIST_WORKER") is not None
+# the threads a test of the served model computes at: the machine's when it runs alone, one beside
+# another worker (two workers at one thread each do more than one at two on these 2-core machines)
+SERVE_THREADS = 1 if BESIDE_ANOTHER_WORKER else ALL_THREADS
+if BESIDE_ANOTHER_WORKER:  # and the processes a test starts (the app, a Space, the GPU check's CPU run)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 
 def tiny_config(vocab: int, max_positions: int, **kw) -> LlamaConfig:
@@ -124,22 +131,37 @@ def tiny_dir(tmp_path_factory):
 
 
 # -- `make test`'s parallel run ------------------------------------------------------------------
-# There the tests run on two workers at once, one thread each: a test that switches to more threads
-# stalls its neighbour (each one's threads wait at their barriers for threads the other has
-# descheduled), so it must be marked `threads` (or `browser`), which runs it in the serial run.
+# There the tests run on two workers at once, one thread each, and so do the processes they start: a
+# test that switches to more threads stalls its neighbour (each one's threads wait at their barriers
+# for threads the other has descheduled: on the 2-core AMD EPYC Zen 3 a 1-minute test of the real
+# model ran past 5 minutes beside another). A test whose point is more threads is marked `threads`
+# and runs in the serial run after (as do the browser's, and `alone`); any other computes at SERVE_THREADS.
 @pytest.fixture(autouse=True)
 def _one_thread_beside_another_worker(request, monkeypatch):
     node = request.node
-    if os.environ.get("PYTEST_XDIST_WORKER") is None or node.get_closest_marker("threads") or node.get_closest_marker("browser"):
+    if not BESIDE_ANOTHER_WORKER or any(node.get_closest_marker(m) for m in ("threads", "browser", "alone")):
         return
     set_threads = torch.set_num_threads
 
     def one_thread(n: int) -> None:
         if n > 1:
-            raise AssertionError(f"{node.nodeid} switches to {n} threads beside another worker: mark it `threads`")
+            raise AssertionError(f"{node.nodeid} switches to {n} threads beside another worker: "
+                                 "compute at conftest.SERVE_THREADS, or mark it `threads` if more threads are its point")
         set_threads(n)
 
     monkeypatch.setattr(torch, "set_num_threads", one_thread)
+
+
+# The files that took longest on one worker (AMD EPYC Zen 3, a slow hour: ~260 s down to ~50),
+# longest first; `make test` hands files out in this order (`--no-loadscope-reorder`), so that the
+# long ones start at once and the tiny models' files, seconds each, fill the workers' ends.
+LONGEST_FILES = ("test_traces_real.py", "test_space.py", "test_real_model.py", "test_batch.py", "test_phrasebook.py",
+                 "test_app.py", "test_gpu_check.py", "test_engine.py", "test_ondemand.py", "test_calibrate.py", "test_quant.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 # -- skips that must not happen --------------------------------------------------------------------

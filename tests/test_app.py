@@ -19,9 +19,9 @@ from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import default_heads_dir
 from entmtp.app import race
 from entmtp.figures import plots
-from conftest import ALL_THREADS
+from conftest import SERVE_THREADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 N_NEW = 24
 PROMPT = "Write a Python function that returns the sum of a list of numbers."
 
@@ -59,7 +59,7 @@ SLOW_MODEL = "slow/model"  # allowed, and its load takes long: other races must 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(app module, models, client) for one launched demo that serves two races at once."""
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     app = import_app()
     paths = head_paths(tmp_path_factory)
     cfg = app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"], concurrency=2, models=(SLOW_MODEL,))

@@ -13,15 +13,15 @@ from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.engine import Engine, Strategy, collect
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
-from conftest import ALL_THREADS
+from conftest import SERVE_THREADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 N_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def rt():
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     runtime = load_runtime(ModelConfig())
     if not batch.available(runtime.model):
         pytest.skip("the served model is not on the fused stack here (the extension did not build)")

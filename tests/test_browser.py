@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ALL_THREADS
+from conftest import SERVE_THREADS
 from test_app import free_port, head_paths, import_app
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -36,7 +36,7 @@ RACES = [
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     assert shutil.which(CHROMIUM), "Debian's chromium is not installed (`make browser` installs it)"
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     app = import_app()
     paths = head_paths(tmp_path_factory)
     demo = app.build_demo(app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"]))

@@ -9,7 +9,7 @@ from entmtp.model import kv
 from entmtp.config import ModelConfig
 from entmtp.runtime.weights import load_model
 from entmtp.spec.topology import compile_tree
-from conftest import ALL_THREADS, tiny_llama
+from conftest import SERVE_THREADS, tiny_llama
 
 
 def transformers_forward(model, cache, ids, pos, mask):
@@ -68,9 +68,8 @@ def test_unsupported_cases_fall_back():
 
 
 @pytest.mark.slow
-@pytest.mark.threads
 def test_default_model_bit_for_bit():
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     try:
         model, _ = load_model(ModelConfig())
         check_steps(model, 40, 49152)

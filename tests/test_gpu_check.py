@@ -11,7 +11,7 @@ import pytest
 from entmtp.config import ROOT, TASKS, ModelConfig
 from entmtp.runtime.weights import resolve_weights
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 
 
 def test_quick_cpu_run_prints_one_json_line():

@@ -18,7 +18,7 @@ from entmtp.runtime.weights import default_gguf, load_model
 from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.policy import StaticPolicy
 from entmtp.spec.topology import compile_tree
-from conftest import ALL_THREADS
+from conftest import ALL_THREADS, SERVE_THREADS
 
 needs_kernels = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=f"GGUF kernels: {ext.unavailable_reason()}")
 
@@ -153,7 +153,7 @@ def test_switched_off_by_environment(monkeypatch):
 
 @pytest.fixture(scope="module")
 def served():
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     rt = load_runtime(ModelConfig())
     yield rt
     torch.set_num_threads(1)
@@ -161,7 +161,6 @@ def served():
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.threads
 def test_default_model_is_served_from_its_blocks(served):
     layers = [m for m in served.model.modules() if isinstance(m, quant.GGUFLinear) and m.weight is not None]  # not the fused copies
     assert len(layers) == 211  # 210 Q4_1 projections and the tied Q8_0 LM head, all matched bit for bit
@@ -181,7 +180,6 @@ def test_float32_blocks_stay_selectable():
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.threads
 def test_served_model_equals_its_own_generate(served):
     """`generate` on the served module (GGUF kernels, not stock) is the oracle: plain decoding
     and a tree of 9 nodes give its tokens exactly."""

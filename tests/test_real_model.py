@@ -16,15 +16,15 @@ from entmtp.spec.headfiles import save_heads
 from entmtp.runtime.runtime import bank_path, default_heads_dir, load_runtime
 from entmtp.spec.policy import LadderPolicy, StaticPolicy, TauPolicy
 from entmtp.spec.topology import chain_paths, compile_tree
-from conftest import ALL_THREADS
+from conftest import SERVE_THREADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 N_NEW = 32
 
 
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     paths = {}
     for kind, cls in (("hydra", HydraHeads), ("medusa", MedusaHeads)):
         if not default_heads_dir("smollm2-135m-instruct", kind).exists():  # untrained: random heads
@@ -82,7 +82,7 @@ def test_kernels_times_the_shipped_heads_chain_per_depth(rt, capsys):
 
     from entmtp.__main__ import main
 
-    code = main(["kernels", "--chain-only", "--threads", str(ALL_THREADS), "--reps", "3"])
+    code = main(["kernels", "--chain-only", "--threads", str(SERVE_THREADS), "--reps", "3"])
     out = capsys.readouterr().out.strip().splitlines()
     assert code in (0, None)
     chain = json.loads(out[-1])["chain"]

@@ -32,7 +32,7 @@ from entmtp.config import DEFAULT_HUB_REPO, ROOT, WEIGHTS_ENV, ModelConfig
 from entmtp.runtime.weights import default_weights_kind, resolve_weights
 from test_loading import fill_hub_cache
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 
 REQUIREMENTS = ROOT / "requirements.txt"
 SERVE_TIMEOUT_S = 240  # imports without compiled bytecode, the model load and the first request

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ALL_THREADS
+from conftest import SERVE_THREADS
 from entmtp.model import gguf, kernels
 from entmtp.bank import record as rec
 from entmtp.bank import traces as tr
@@ -26,13 +26,13 @@ from entmtp.runtime.runtime import load_runtime
 from entmtp.spec.policy import StaticPolicy, TauPolicy
 from entmtp.spec.topology import compile_tree, load_named_trees
 
-pytestmark = [pytest.mark.slow, pytest.mark.threads]
+pytestmark = pytest.mark.slow
 N_NEW = 48
 TREES = [[], [[0]], [[0], [1], [0, 0]], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]]
 
 
 def rollout_vs_simulation(kernels: str, task: str, n_prompts: int, phrasebook: bool = False):
-    torch.set_num_threads(ALL_THREADS)
+    torch.set_num_threads(SERVE_THREADS)
     try:
         rt = load_runtime(ModelConfig(kernels=kernels))
         heads = rt.heads("hydra")

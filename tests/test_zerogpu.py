@@ -94,7 +94,7 @@ def entries(log: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.threads
+@pytest.mark.alone  # shares its Space with the page's test
 def test_a_race_on_zerogpu(space):
     from gradio_client import Client
 
@@ -118,7 +118,7 @@ def test_a_race_on_zerogpu(space):
 
 
 @pytest.mark.slow
-@pytest.mark.threads
+@pytest.mark.alone  # shares its Space with the page's test
 def test_stop_ends_the_gpu_work(space):
     from gradio_client import Client
 
@@ -134,7 +134,6 @@ def test_stop_ends_the_gpu_work(space):
 
 
 @pytest.mark.slow
-@pytest.mark.threads
 @pytest.mark.browser
 def test_the_page_on_zerogpu(space):
     """Through the page: a race, then the Bank tab says the bank is fitted to this machine (the

@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from entmtp.config import DEFAULT_MODEL, ROOT, GenerationConfig
+from entmtp.config import DEFAULT_MODEL, ROOT, TASKS, GenerationConfig
 from entmtp.spec.engine import StepRecord, collect
 from entmtp.spec.heads import HydraHeads, MedusaHeads
 from entmtp.spec.headfiles import save_heads
@@ -56,6 +56,21 @@ def head_paths(tmp_path_factory) -> dict[str, str | None]:
 SLOW_MODEL = "slow/model"  # allowed, and its load takes long: other races must not wait for it
 
 
+def settle(service, timeout_s: float = 1200.0) -> None:
+    """Until the app has started and this machine's fit of every task's bank exists (measured by the
+    fits the start-up queues, on a machine that had none at these threads). The tests then see the
+    server's own work only: a fit measured in the background is this process's CPU time too (the
+    Stop test reads it) and, adopted in the middle of a race, changes the policy the refit test
+    watches."""
+    for _ in service.wait_ready():
+        pass
+    rt = service.models.get(None)
+    deadline = time.monotonic() + timeout_s
+    while service.fits or service.builds or any(rt.needs_calibration(task) for task in TASKS):
+        assert time.monotonic() < deadline, f"the background fits never ended: {service.fits} {service.builds}"
+        time.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(app module, models, client) for one launched demo that serves two races at once."""
@@ -64,10 +79,12 @@ def served(tmp_path_factory):
     paths = head_paths(tmp_path_factory)
     cfg = app.AppConfig(hydra_heads=paths["hydra"], medusa_heads=paths["medusa"], concurrency=2, models=(SLOW_MODEL,))
     models = cfg.registry()
-    demo = app.build_demo(cfg, models)
+    service = app.Service(models).start()
+    demo = app.build_demo(cfg, models, service)
     port = free_port()
     app.launch(demo, prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
     try:
+        settle(service)
         yield app, models, Client(f"http://127.0.0.1:{port}/", verbose=False)
     finally:
         demo.close()

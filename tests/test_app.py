@@ -66,7 +66,9 @@ def settle(service, timeout_s: float = 1200.0) -> None:
         pass
     rt = service.models.get(None)
     deadline = time.monotonic() + timeout_s
-    while service.fits or service.builds or any(rt.needs_calibration(task) for task in TASKS):
+    while service.fits or service.builds or any(race.needs_fit(rt, task) for task in TASKS):
+        failed = [s for s in (*service.fits.values(), *service.builds.values()) if s.startswith("failed")]
+        assert not failed, f"a background fit or build failed: {failed}"
         assert time.monotonic() < deadline, f"the background fits never ended: {service.fits} {service.builds}"
         time.sleep(1.0)
 
